@@ -1,0 +1,46 @@
+"""Packaging for dspark: the repo root is the `dspark` import package.
+
+The user-facing layout keeps one folder per stage at the repository root
+(export/, engines/, runtime/, plugins/, tools/, models/); setup.py maps each
+folder onto a subpackage of `dspark`.
+"""
+
+from setuptools import setup
+
+SUBPACKAGES = ("models", "export", "engines", "runtime", "plugins", "tools")
+
+setup(
+    name="dspark",
+    version="0.1.0",
+    description="Deployment compiler and runtime for DSpark speculative decoding",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    license="MIT",
+    python_requires=">=3.10",
+    packages=["dspark", *(f"dspark.{name}" for name in SUBPACKAGES)],
+    package_dir={"dspark": ".", **{f"dspark.{name}": name for name in SUBPACKAGES}},
+    install_requires=[
+        "torch==2.13.0",
+        "numpy>=1.26",
+        "safetensors>=0.4",
+        "click>=8.1",
+        "tqdm>=4.66",
+        "onnx>=1.17",
+        "onnxruntime>=1.20",
+        "onnxscript>=0.2",
+        "tokenizers>=0.20",
+        "psutil>=5.9",
+    ],
+    extras_require={
+        "dev": ["pytest>=8", "ruff>=0.6", "transformers>=4.51", "scipy>=1.11"],
+        "tensorrt": ["tensorrt>=10", "polygraphy>=0.49", "nvidia-ml-py>=12"],
+        "serve": ["uvicorn>=0.30", "starlette>=0.38", "prometheus-client>=0.20"],
+    },
+    entry_points={
+        "console_scripts": [
+            "dspark=dspark.tools.cli:main",
+            "dspark-export=dspark.tools.cli:export_main",
+            "dspark-build-engine=dspark.tools.cli:build_engine_main",
+        ]
+    },
+)
