@@ -1,0 +1,53 @@
+"""The proposer: drafter backbone output -> draft tokens through the sequential heads.
+
+The backbone gives every block slot in one forward; the Markov head then walks the slots left
+to right, each slot's bias conditioned on the token sampled at the previous slot (the anchor
+for slot 0). The corrected logits are kept: they are the draft distribution q that the
+rejection sampler needs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dspark.models import DSparkDrafter
+
+from .sampling import sample_token
+
+
+@dataclass
+class DraftBlock:
+    """B = batch, γ = block size, V = vocab."""
+
+    tokens: torch.Tensor  # [B, γ] draft token of each slot (slot k predicts position start+k+1)
+    logits: torch.Tensor  # [B, γ, V] Markov-corrected logits each token was drawn from
+    confidence_logits: torch.Tensor | None  # [B, γ] pre-sigmoid survival logits, or None
+
+
+@torch.no_grad()
+def propose_block(
+    drafter: DSparkDrafter,
+    hidden: torch.Tensor,  # [B, γ, H] backbone output
+    anchor: torch.Tensor,  # [B] last committed token
+    temperature: float,
+    generator: torch.Generator | None = None,
+) -> DraftBlock:
+    base = drafter.base_logits(hidden)
+    state = drafter.initial_head_state(hidden[:, 0])
+    prev = anchor
+    tokens, logits, confidences = [], [], []
+    for k in range(hidden.shape[1]):
+        step_logits, confidence, state = drafter.head_step(
+            hidden=hidden[:, k], base_logits=base[:, k], prev_ids=prev, state=state
+        )
+        prev = sample_token(step_logits, temperature, generator)
+        tokens.append(prev)
+        logits.append(step_logits)
+        confidences.append(confidence)
+    return DraftBlock(
+        tokens=torch.stack(tokens, dim=1),
+        logits=torch.stack(logits, dim=1),
+        confidence_logits=None if drafter.confidence_head is None else torch.stack(confidences, dim=1),
+    )
