@@ -5,6 +5,8 @@ The user-facing layout keeps one folder per stage at the repository root
 folder onto a subpackage of `dspark`.
 """
 
+from pathlib import Path
+
 from setuptools import setup
 
 SUBPACKAGES = ("models", "export", "engines", "runtime", "plugins", "tools")
@@ -13,7 +15,7 @@ setup(
     name="dspark",
     version="0.1.0",
     description="Deployment compiler and runtime for DSpark speculative decoding",
-    long_description=open("README.md", encoding="utf-8").read(),
+    long_description=(Path(__file__).parent / "README.md").read_text(encoding="utf-8"),
     long_description_content_type="text/markdown",
     license="MIT",
     python_requires=">=3.10",

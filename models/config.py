@@ -104,7 +104,9 @@ def _decoder_fields(data: dict[str, Any], source: str) -> dict[str, Any]:
     kv_heads = int(data.get("num_key_value_heads") or heads)
     hidden = _require(data, "hidden_size", source)
     if heads % kv_heads:
-        raise CheckpointError(f"{source}: num_attention_heads {heads} is not a multiple of kv heads {kv_heads}")
+        raise CheckpointError(
+            f"{source}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}"
+        )
     head_dim = int(data.get("head_dim") or hidden // heads)
     if head_dim % 2:
         raise CheckpointError(f"{source}: head_dim {head_dim} must be even for RoPE")

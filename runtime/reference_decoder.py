@@ -14,7 +14,7 @@ semantics exactly (see ../shared/golden/*/README.md):
 from __future__ import annotations
 
 import operator
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -40,6 +40,18 @@ class RoundStats:
     accepted_drafts: int  # a
     acceptance_length: int  # a + 1: the bonus token counts, as in DeepSpec and the paper
     confidence_logits: list[float] | None  # all γ slots, pre-sigmoid
+
+
+@dataclass
+class RoundTensors:
+    """What one round computed, for tracing and debugging (B = 1)."""
+
+    new_context_features: torch.Tensor  # [1, Tc, F] rows fed to the drafter this round
+    context_position_ids: torch.Tensor  # [1, Tc]
+    block_hidden: torch.Tensor  # [1, γ, H]
+    draft_logits: torch.Tensor  # [1, γ, V] Markov-corrected
+    verify_input_ids: torch.Tensor  # [1, k+1]
+    verify_logits: torch.Tensor  # [1, k+1, V]
 
 
 @dataclass
@@ -130,11 +142,13 @@ def speculative_generate(
     block_size: int | None = None,
     confidence_threshold: float = 0.0,
     stop_token_ids: Sequence[int] = (),
+    observer: Callable[[RoundStats, RoundTensors], None] | None = None,
 ) -> SpeculativeResult:
     """DSpark chain decoding of one request.
 
     `confidence_threshold` > 0 verifies only the draft prefix before the first slot whose
     confidence σ(c_k) is below it (needs a confidence head); 0 verifies the whole block.
+    `observer`, if given, is called after every round with its stats and tensors.
     """
     cfg = target.config
     validate_request(prompt_ids, vocab_size=cfg.vocab_size, max_positions=cfg.max_position_embeddings,
@@ -159,11 +173,12 @@ def speculative_generate(
     masks = torch.full((1, gamma - 1), drafter.config.mask_token_id)
 
     while len(result.tokens) < max_new_tokens and result.tokens[-1] not in stop_token_ids:
+        context_positions = torch.arange(drafted_upto, start)[None]
         backbone = drafter.forward_backbone(
             block_ids=torch.cat((anchor[:, None], masks), dim=1),
             block_position_ids=torch.arange(start, start + gamma)[None],
             context_features=new_context,
-            context_position_ids=torch.arange(drafted_upto, start)[None],
+            context_position_ids=context_positions,
             past_context=draft_cache,
         )
         draft_cache, drafted_upto = backbone.present_context, start
@@ -172,8 +187,9 @@ def speculative_generate(
         k = gamma if confidences is None else threshold_length(confidences, confidence_threshold)
 
         drafts = block.tokens[0, :k]
+        verify_ids = torch.cat((anchor, drafts))[None]
         verify = target(
-            torch.cat((anchor, drafts))[None],
+            verify_ids,
             torch.arange(start, start + k + 1)[None],
             past_key_values=target_cache,
         )
@@ -185,19 +201,21 @@ def speculative_generate(
             generator=generator,
         )
         a = verdict.accepted
+        stats = RoundStats(
+            start=start,
+            anchor=int(anchor),
+            draft_tokens=block.tokens[0].tolist(),
+            proposal_length=k,
+            accepted_drafts=a,
+            acceptance_length=a + 1,
+            confidence_logits=None if confidences is None else confidences.tolist(),
+        )
+        result.rounds.append(stats)
+        if observer is not None:
+            observer(stats, RoundTensors(new_context, context_positions, backbone.hidden, block.logits,
+                                         verify_ids, verify.logits))
         target_cache = crop_kv_cache(verify.present, start + a + 1)
         new_context = verify.context_features[:, : a + 1]
-        result.rounds.append(
-            RoundStats(
-                start=start,
-                anchor=int(anchor),
-                draft_tokens=block.tokens[0].tolist(),
-                proposal_length=k,
-                accepted_drafts=a,
-                acceptance_length=a + 1,
-                confidence_logits=None if confidences is None else confidences.tolist(),
-            )
-        )
         result.tokens += [*drafts[:a].tolist(), verdict.bonus]
         start += a + 1
         anchor = torch.tensor([verdict.bonus])

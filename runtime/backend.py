@@ -1,0 +1,121 @@
+"""The backend interface: run a named graph on named feeds (Polygraphy-style runner).
+
+Every backend (PyTorch reference, ONNX Runtime, later TensorRT) describes its graphs with
+`GraphSpec`s; `Backend.run` checks each feed against the spec (names, dtypes, ranks and the
+fixed dims) before dispatching, and times every call. Feeds and outputs are numpy arrays or
+torch tensors; a backend returns what is cheapest for it, and `as_torch` converts.
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from collections import defaultdict
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+Array = np.ndarray | torch.Tensor
+
+_NUMPY_NAMES = {"int64": "int64", "int32": "int32", "float32": "float32", "float16": "float16",
+                "bool": "bool", "bfloat16": "bfloat16"}
+
+
+class BackendError(RuntimeError):
+    """A graph was called with feeds that do not match its metadata, or does not exist."""
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """A named input or output: dtype name ('int64', 'float32', 'bool', ...) and dims, each an
+    int (fixed) or a str (symbolic, any size)."""
+
+    name: str
+    dtype: str
+    shape: tuple[int | str, ...]
+
+
+@dataclass(frozen=True)
+class GraphSpec:
+    name: str
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+
+
+def dtype_name(value: Array) -> str:
+    if isinstance(value, torch.Tensor):
+        return str(value.dtype).removeprefix("torch.")
+    return _NUMPY_NAMES.get(value.dtype.name, value.dtype.name)
+
+
+def check_feeds(spec: GraphSpec, feeds: Mapping[str, Array]) -> None:
+    """Raise BackendError naming every missing/unexpected feed and each dtype or shape mismatch."""
+    expected = {t.name: t for t in spec.inputs}
+    missing = sorted(set(expected) - set(feeds))
+    extra = sorted(set(feeds) - set(expected))
+    if missing or extra:
+        raise BackendError(f"graph '{spec.name}': missing feeds {missing}, unexpected feeds {extra}")
+    problems = []
+    bound: dict[str, int] = {}
+    for name, t in expected.items():
+        value = feeds[name]
+        if dtype_name(value) != t.dtype:
+            problems.append(f"{name}: dtype {dtype_name(value)}, expected {t.dtype}")
+            continue
+        shape = tuple(value.shape)
+        if len(shape) != len(t.shape):
+            problems.append(f"{name}: rank {len(shape)} {shape}, expected {t.shape}")
+            continue
+        for got, want in zip(shape, t.shape, strict=True):
+            if isinstance(want, int) and got != want:
+                problems.append(f"{name}: shape {shape}, expected {t.shape}")
+                break
+            if isinstance(want, str) and bound.setdefault(want, got) != got:
+                problems.append(f"{name}: dim '{want}' is {got} here but {bound[want]} in another feed")
+                break
+    if problems:
+        raise BackendError(f"graph '{spec.name}': " + "; ".join(problems))
+
+
+@dataclass
+class CallTimes:
+    """Wall-clock seconds of every call, per graph."""
+
+    seconds: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
+
+    def total(self, graph: str) -> float:
+        return sum(self.seconds.get(graph, ()))
+
+    def count(self, graph: str) -> int:
+        return len(self.seconds.get(graph, ()))
+
+
+class Backend(ABC):
+    """Run named graphs. Subclasses provide `specs` and `_run`; `run` checks and times."""
+
+    def __init__(self) -> None:
+        self.times = CallTimes()
+        self.check_inputs = True
+
+    @property
+    @abstractmethod
+    def specs(self) -> dict[str, GraphSpec]: ...
+
+    @abstractmethod
+    def _run(self, graph: str, feeds: Mapping[str, Array]) -> dict[str, Array]: ...
+
+    def run(self, graph: str, feeds: Mapping[str, Array]) -> dict[str, Array]:
+        if graph not in self.specs:
+            raise BackendError(f"no graph '{graph}' in this backend (has: {sorted(self.specs)})")
+        if self.check_inputs:
+            check_feeds(self.specs[graph], feeds)
+        begin = time.perf_counter()
+        out = self._run(graph, feeds)
+        self.times.seconds[graph].append(time.perf_counter() - begin)
+        return out
+
+
+def as_torch(value: Array) -> torch.Tensor:
+    return value if isinstance(value, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(value))

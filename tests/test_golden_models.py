@@ -1,0 +1,94 @@
+"""Single-forward parity with DeepSpec's golden tensors (float32, atol = rtol = 1e-4)."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from conftest import GOLDEN_DRAFTERS, golden_path
+from safetensors.torch import load_file, save_file
+
+from dspark.models import CheckpointError, DSparkDrafter, TargetModel, load_pair
+from dspark.runtime.proposer import propose_block
+
+TOL = dict(atol=1e-4, rtol=1e-4)
+
+
+def _close(name: str, ours: torch.Tensor, golden: torch.Tensor) -> None:
+    assert ours.shape == golden.shape, f"{name}: shape {tuple(ours.shape)} vs golden {tuple(golden.shape)}"
+    diff = (ours - golden).abs().max().item() if ours.numel() else 0.0
+    torch.testing.assert_close(ours, golden, **TOL, msg=f"{name}: max |diff| {diff:.3g}")
+
+
+@pytest.fixture(scope="module", params=GOLDEN_DRAFTERS, ids=lambda c: f"{c.set_name}/{c.drafter_dir}")
+def golden(request):
+    case = request.param
+    root = golden_path(case.set_name)
+    target, drafter = load_pair(root / "target", root / case.drafter_dir)
+    return target, drafter, load_file(str(root / f"tensors{case.stem}.safetensors"))
+
+
+@torch.no_grad()
+def test_target_forward(golden):
+    target, _, g = golden
+    ids = g["prompt_ids"]
+    n = ids.shape[1]
+    out = target(ids, torch.arange(n)[None])
+    _close("target_logits", out.logits, g["target_logits"])
+    _close("context_features", out.context_features, g["context_features"])
+    # Every non-final hidden state, read through the layer-id convention (-1 = embeddings).
+    layers = target.config.num_hidden_layers
+    probe = TargetModel(target.config, tuple(range(-1, layers - 1)))
+    probe.load_state_dict(target.state_dict())
+    hidden = probe(ids, torch.arange(n)[None]).context_features.split(target.config.hidden_size, dim=-1)
+    _close("target_hidden_states", torch.stack(hidden), g["target_hidden_states_all"][:layers])
+
+
+@torch.no_grad()
+def test_draft_block(golden):
+    target, drafter, g = golden
+    ids = g["prompt_ids"]
+    n = ids.shape[1]
+    gamma = drafter.config.block_size
+    features = target(ids, torch.arange(n)[None]).context_features
+    anchor = g["draft_anchor_token"].reshape(1)
+    block_ids = torch.cat((anchor[:, None], torch.full((1, gamma - 1), drafter.config.mask_token_id)), 1)
+    assert torch.equal(block_ids, g["draft_input_ids"])
+    _close("drafter_context_projected", drafter.project_context(features), g["drafter_context_projected"])
+    out = drafter.forward_backbone(
+        block_ids=block_ids,
+        block_position_ids=g["draft_position_ids"][:, n:],
+        context_features=features,
+        context_position_ids=g["draft_position_ids"][:, :n],
+    )
+    _close("draft_block_hidden", out.hidden, g["draft_block_hidden"])
+    _close("draft_base_logits", drafter.base_logits(out.hidden), g["draft_base_logits"])
+    for layer, (k, v) in enumerate(out.present_context):
+        _close("draft_cache_k", k, g[f"draft_cache_k_layer{layer}"])
+        _close("draft_cache_v", v, g[f"draft_cache_v_layer{layer}"])
+
+    block = propose_block(drafter, out.hidden, anchor, temperature=0.0)
+    assert torch.equal(block.tokens, g["draft_tokens"])
+    _close("draft_corrected_logits", block.logits, g["draft_corrected_logits"])
+    if drafter.confidence_head is None:
+        assert block.confidence_logits is None and "confidence_logits" not in g
+    else:
+        prev = torch.cat((anchor[:, None], block.tokens[:, :-1]), dim=1)
+        assert torch.equal(prev, g["confidence_prev_token_ids"])
+        _close("confidence_logits", block.confidence_logits, g["confidence_logits"])
+
+
+def test_drafter_shares_embeddings_when_checkpoint_omits_them(tmp_path):
+    """A drafter saved without embed_tokens/lm_head takes the target's (DeepSpec copies them)."""
+    root = golden_path("qwen3-tiny-vanilla")
+    target, drafter = load_pair(root / "target", root / "drafter")
+    kept = {k: v for k, v in drafter.state_dict().items() if k not in ("embed_tokens.weight", "lm_head.weight")}
+    save_file(kept, str(tmp_path / "model.safetensors"))
+    shutil.copy(root / "drafter" / "config.json", tmp_path / "config.json")
+    with pytest.raises(CheckpointError, match="shares them with its target"):
+        DSparkDrafter.from_pretrained(tmp_path)
+    shared = DSparkDrafter.from_pretrained(tmp_path, target=target)
+    assert shared.embed_tokens.weight is target.embed_tokens.weight
+    assert shared.lm_head.weight is target.lm_head.weight
+    assert torch.equal(shared.norm.weight, drafter.norm.weight)
