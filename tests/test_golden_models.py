@@ -83,12 +83,13 @@ def test_drafter_shares_embeddings_when_checkpoint_omits_them(tmp_path):
     """A drafter saved without embed_tokens/lm_head takes the target's (DeepSpec copies them)."""
     root = golden_path("qwen3-tiny-vanilla")
     target, drafter = load_pair(root / "target", root / "drafter")
-    kept = {k: v for k, v in drafter.state_dict().items() if k not in ("embed_tokens.weight", "lm_head.weight")}
+    shared = ("embed_tokens.weight", "lm_head.weight")
+    kept = {k: v for k, v in drafter.state_dict().items() if k not in shared}
     save_file(kept, str(tmp_path / "model.safetensors"))
     shutil.copy(root / "drafter" / "config.json", tmp_path / "config.json")
     with pytest.raises(CheckpointError, match="shares them with its target"):
         DSparkDrafter.from_pretrained(tmp_path)
-    shared = DSparkDrafter.from_pretrained(tmp_path, target=target)
-    assert shared.embed_tokens.weight is target.embed_tokens.weight
-    assert shared.lm_head.weight is target.lm_head.weight
-    assert torch.equal(shared.norm.weight, drafter.norm.weight)
+    loaded = DSparkDrafter.from_pretrained(tmp_path, target=target)
+    assert loaded.embed_tokens.weight is target.embed_tokens.weight
+    assert loaded.lm_head.weight is target.lm_head.weight
+    assert torch.equal(loaded.norm.weight, drafter.norm.weight)
