@@ -1,0 +1,59 @@
+"""Per-child draft distributions for TreeAcceptSampling, one builder per draft process.
+
+TreeAcceptSampling reads row c of `draft_probs` as the distribution node c's token was drawn from,
+given its parent and its earlier siblings. These helpers build that tensor from the distribution
+the drafter proposed at each parent (`parent_probs[u]` = q_u, the children distribution of u).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import numpy as np
+
+DraftProcess = Literal["iid", "without_replacement", "deterministic"]
+DRAFT_PROCESSES: tuple[str, ...] = ("iid", "without_replacement", "deterministic")
+
+
+def child_draft_probs(
+    parents: np.ndarray, draft_tokens: np.ndarray, parent_probs: np.ndarray, process: DraftProcess
+) -> np.ndarray:
+    """Rows for TreeAcceptSampling's draft_probs input.
+
+    parents:      [batch, N] int, valid tree
+    draft_tokens: [batch, N] int
+    parent_probs: [batch, N, V] float, q_u at each node u (unused for "deterministic")
+    process:
+      "iid"                 children of u drawn independently from q_u          -> row c = q_u
+      "without_replacement" children of u drawn one after another from q_u with
+                            the earlier siblings' tokens removed                -> row c = q_u minus
+                                                                                   earlier siblings, renormalised
+      "deterministic"       children chosen without randomness (top-k, best-first
+                            search); the tree must not depend on the uniforms   -> row c = one-hot(token c)
+    returns [batch, N, V] float64; rows of the root and of padding nodes are zero.
+    """
+    if process not in DRAFT_PROCESSES:
+        raise ValueError(f"process must be one of {DRAFT_PROCESSES}, got {process!r}")
+    batch, n = parents.shape
+    vocab = parent_probs.shape[-1]
+    out = np.zeros((batch, n, vocab), dtype=np.float64)
+    for b in range(batch):
+        for c in range(1, n):
+            u = int(parents[b, c])
+            if u < 0:
+                continue
+            if process == "deterministic":
+                out[b, c, draft_tokens[b, c]] = 1.0
+            elif process == "iid":
+                out[b, c] = parent_probs[b, u]
+            else:
+                earlier = [s for s in range(1, c) if parents[b, s] == u]
+                q = parent_probs[b, u].astype(np.float64).copy()
+                q[draft_tokens[b, earlier]] = 0.0
+                if q.sum() <= 0:
+                    raise ValueError(
+                        f"node {c} (batch {b}): its earlier siblings exhaust the support of q at node {u}; "
+                        "sampling without replacement cannot draw it"
+                    )
+                out[b, c] = q / q.sum()
+    return out
