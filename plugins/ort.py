@@ -29,12 +29,20 @@ ORT_PYOP_DOMAIN = "ai.onnx.contrib"
 OP_TYPES = ("TreeAttentionMask", "TreeAccept", "TreeAcceptSampling")
 
 
-def make_node(op_type: str, inputs: Sequence[str], outputs: Sequence[str], name: str, **attrs: int) -> onnx.NodeProto:
+def make_node(
+    op_type: str, inputs: Sequence[str], outputs: Sequence[str], name: str, **attrs: int
+) -> onnx.NodeProto:
     """A `dspark` node; `plugin_namespace` tells TensorRT's ONNX parser which plugin namespace to search."""
     if op_type not in OP_TYPES:
         raise ValueError(f"unknown dspark op type {op_type!r}; expected one of {OP_TYPES}")
     return helper.make_node(
-        op_type, list(inputs), list(outputs), name=name, domain=DOMAIN, plugin_namespace=PLUGIN_NAMESPACE, **attrs
+        op_type,
+        list(inputs),
+        list(outputs),
+        name=name,
+        domain=DOMAIN,
+        plugin_namespace=PLUGIN_NAMESPACE,
+        **attrs,
     )
 
 
@@ -73,7 +81,11 @@ def register_ops() -> str:
         ) from err
     i64, f32 = PyCustomOpDef.dt_int64, PyCustomOpDef.dt_float
 
-    @onnx_op(op_type="TreeAttentionMask", inputs=[i64, i64], outputs=[PyCustomOpDef.dt_bool, i64, PyCustomOpDef.dt_int32])
+    @onnx_op(
+        op_type="TreeAttentionMask",
+        inputs=[i64, i64],
+        outputs=[PyCustomOpDef.dt_bool, i64, PyCustomOpDef.dt_int32],
+    )
     def tree_attention_mask(parents, past_lengths):
         return mask_ref.tree_attention_mask(parents, past_lengths)
 
@@ -82,12 +94,19 @@ def register_ops() -> str:
 
     @onnx_op(op_type="TreeAccept", inputs=[i64] * 4, outputs=[i64] * 4, attrs={"max_depth": i64})
     def tree_accept(parents, draft_tokens, past_lengths, target_tokens, max_depth):
-        return outputs(accept_ref.tree_accept_greedy(parents, draft_tokens, past_lengths, target_tokens, max_depth))
+        return outputs(
+            accept_ref.tree_accept_greedy(parents, draft_tokens, past_lengths, target_tokens, max_depth)
+        )
 
     @onnx_op(
-        op_type="TreeAcceptSampling", inputs=[i64, i64, i64, f32, f32, f32], outputs=[i64] * 4, attrs={"max_depth": i64}
+        op_type="TreeAcceptSampling",
+        inputs=[i64, i64, i64, f32, f32, f32],
+        outputs=[i64] * 4,
+        attrs={"max_depth": i64},
     )
-    def tree_accept_sampling(parents, draft_tokens, past_lengths, target_probs, draft_probs, uniforms, max_depth):
+    def tree_accept_sampling(
+        parents, draft_tokens, past_lengths, target_probs, draft_probs, uniforms, max_depth
+    ):
         result = accept_ref.tree_accept_sampling(
             parents, draft_tokens, past_lengths, target_probs, draft_probs, uniforms, max_depth
         )
@@ -106,5 +125,7 @@ def session_options(options: ort.SessionOptions | None = None) -> ort.SessionOpt
 def make_session(model: onnx.ModelProto, options: ort.SessionOptions | None = None) -> ort.InferenceSession:
     """CPU InferenceSession for a model that may contain dspark nodes."""
     return ort.InferenceSession(
-        prepare_for_ort(model).SerializeToString(), session_options(options), providers=["CPUExecutionProvider"]
+        prepare_for_ort(model).SerializeToString(),
+        session_options(options),
+        providers=["CPUExecutionProvider"],
     )

@@ -23,13 +23,12 @@ def child_draft_probs(
     parents:      [batch, N] int, valid tree
     draft_tokens: [batch, N] int
     parent_probs: [batch, N, V] float, q_u at each node u (unused for "deterministic")
-    process:
-      "iid"                 children of u drawn independently from q_u          -> row c = q_u
-      "without_replacement" children of u drawn one after another from q_u with
-                            the earlier siblings' tokens removed                -> row c = q_u minus
-                                                                                   earlier siblings, renormalised
-      "deterministic"       children chosen without randomness (top-k, best-first
-                            search); the tree must not depend on the uniforms   -> row c = one-hot(token c)
+    process (the draft process that built the tree) -> row c for a child c of u:
+      "iid"                  children of u drawn independently from q_u -> q_u
+      "without_replacement"  children of u drawn one after another from q_u without repeating a
+                             token -> q_u with the earlier siblings' tokens zeroed, renormalised
+      "deterministic"        children chosen without randomness (top-k, best-first search); the
+                             tree must not depend on the uniforms -> one-hot(draft_tokens[c])
     returns [batch, N, V] float64; rows of the root and of padding nodes are zero.
     """
     if process not in DRAFT_PROCESSES:
