@@ -1,0 +1,210 @@
+"""The graph contract: every ONNX graph's file, input/output names, dtypes and dims, in one place.
+
+The runtime (and `dspark-build-engine`) feed graphs by these names; `export.json` records the
+same specs, so a reader never has to open the ONNX files to learn them. Symbolic dims:
+
+    batch          requests in the batch (padded rows are masked out)
+    tokens         new tokens per row (prefill, chain of drafts, or a flattened tree)
+    past           cached target positions per row
+    total          past + tokens (attention columns of the concat-cache target graph)
+    capacity       fixed cache slots per row of the static-cache target graph
+    capacity_plus_tokens  capacity + tokens (its attention columns: cache slots, then new tokens)
+    context_tokens / context_past / context_total   the same for the drafter's context cache
+    block_total    context_total + block (drafter attention columns: context, then the block)
+
+Target graph (`target.onnx`, concat cache): `attention_mask[b, 0, t, j]` is True when new token t
+may attend to column j, columns being the `past` cached positions followed by the `tokens` new
+ones. A causal chain, a padded batch (False on padding columns) and a flattened draft tree (each
+node sees its ancestors) are all just masks. `present.{i}.*` = past ++ new keys/values.
+
+Target graph (`target_static.onnx`, static cache for in-place KV): the cache inputs
+`cache.{i}.key|value` [batch, kv_heads, capacity, head_dim] are fixed-size buffers that the
+runtime owns and binds (ORT IO binding / TensorRT device pointers) without copying; the graph only
+reads them and returns the new tokens' keys/values `new.{i}.key|value` [batch, kv_heads, tokens,
+head_dim]. The runtime writes those rows into its buffers at each row's write position (the row's
+cache length, or any free slots: slot order does not matter, only the mask does). The mask has
+capacity + tokens columns: first every cache slot (True only where the slot holds a committed
+position visible to this token), then the new tokens (causal or tree). No buffer is copied inside
+the graph: attention scores are computed against the cache and the new keys separately and share
+one softmax.
+
+Drafter backbone (`drafter_backbone.onnx`): the new context features and their positions, the
+cached projected context keys/values per draft layer, the block (anchor + mask ids) and its
+positions, and a bool mask [batch, 1, block, context_total + block] (all True = DeepSpec decoding;
+False hides padded context rows) -> `block_hidden`, `base_logits` when the shared LM head runs in
+the backbone (see `Placement`), and `present_context.{i}.*` = cached ++ new context keys/values.
+
+Drafter heads: `drafter_head_step.onnx` runs one block slot (any sampling: the runtime samples
+from the returned corrected logits, so draft probabilities are exact) and
+`drafter_head_greedy.onnx` runs the whole block at temperature 0 in one call (argmax feeds the
+next slot inside the graph). Neither exists for a DFlash drafter (no Markov head, no confidence
+head): its draft logits are the backbone's base logits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dspark.models import DrafterConfig, TargetConfig
+
+TARGET = "target"
+TARGET_STATIC = "target_static"
+BACKBONE = "drafter_backbone"
+HEAD_STEP = "drafter_head_step"
+HEAD_GREEDY = "drafter_head_greedy"
+
+DTYPES = ("float32", "float16", "bfloat16")
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    dtype: str  # "int64", "bool" or the float dtype of the export
+    dims: tuple[int | str, ...]  # ints are fixed, strings are symbolic
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "dtype": self.dtype, "dims": list(self.dims)}
+
+
+@dataclass(frozen=True)
+class GraphSpec:
+    name: str
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+
+    @property
+    def file(self) -> str:
+        return f"{self.name}.onnx"
+
+    @property
+    def input_names(self) -> list[str]:
+        return [t.name for t in self.inputs]
+
+    @property
+    def output_names(self) -> list[str]:
+        return [t.name for t in self.outputs]
+
+    def dynamic_axes(self) -> dict[str, dict[int, str]]:
+        """{tensor name: {axis: symbol}} for every symbolic dim (torch.onnx.export's format)."""
+        return {
+            t.name: {axis: dim for axis, dim in enumerate(t.dims) if isinstance(dim, str)}
+            for t in (*self.inputs, *self.outputs)
+            if any(isinstance(dim, str) for dim in t.dims)
+        }
+
+    def to_json(self) -> dict:
+        return {
+            "file": self.file,
+            "inputs": [t.to_json() for t in self.inputs],
+            "outputs": [t.to_json() for t in self.outputs],
+        }
+
+
+def kv_names(prefix: str, layers: int) -> list[str]:
+    """`{prefix}.{i}.key`, `{prefix}.{i}.value` for every layer, in feed order."""
+    return [f"{prefix}.{i}.{kind}" for i in range(layers) for kind in ("key", "value")]
+
+
+def _kv(prefix: str, layers: int, kv_heads: int, length: str, head_dim: int, dtype: str) -> list[TensorSpec]:
+    return [TensorSpec(n, dtype, ("batch", kv_heads, length, head_dim)) for n in kv_names(prefix, layers)]
+
+
+def target_spec(config: TargetConfig, feature_size: int, dtype: str) -> GraphSpec:
+    kvh, hd, layers = config.num_key_value_heads, config.head_dim, config.num_hidden_layers
+    return GraphSpec(
+        TARGET,
+        inputs=(
+            TensorSpec("input_ids", "int64", ("batch", "tokens")),
+            TensorSpec("position_ids", "int64", ("batch", "tokens")),
+            TensorSpec("attention_mask", "bool", ("batch", 1, "tokens", "total")),
+            *_kv("past_key_values", layers, kvh, "past", hd, dtype),
+        ),
+        outputs=(
+            TensorSpec("logits", dtype, ("batch", "tokens", config.vocab_size)),
+            TensorSpec("context_features", dtype, ("batch", "tokens", feature_size)),
+            *_kv("present", layers, kvh, "total", hd, dtype),
+        ),
+    )
+
+
+def target_static_spec(config: TargetConfig, feature_size: int, dtype: str) -> GraphSpec:
+    kvh, hd, layers = config.num_key_value_heads, config.head_dim, config.num_hidden_layers
+    return GraphSpec(
+        TARGET_STATIC,
+        inputs=(
+            TensorSpec("input_ids", "int64", ("batch", "tokens")),
+            TensorSpec("position_ids", "int64", ("batch", "tokens")),
+            TensorSpec("attention_mask", "bool", ("batch", 1, "tokens", "capacity_plus_tokens")),
+            *_kv("cache", layers, kvh, "capacity", hd, dtype),
+        ),
+        outputs=(
+            TensorSpec("logits", dtype, ("batch", "tokens", config.vocab_size)),
+            TensorSpec("context_features", dtype, ("batch", "tokens", feature_size)),
+            *_kv("new", layers, kvh, "tokens", hd, dtype),
+        ),
+    )
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where the shared LM head runs: in the backbone (one [batch·block, H] x [H, V] matmul, the
+    base logits become a graph output) or in the head graphs (per slot)."""
+
+    lm_head_in_backbone: bool
+
+
+def backbone_spec(config: DrafterConfig, placement: Placement, dtype: str) -> GraphSpec:
+    c = config
+    kvh, hd, layers = c.num_key_value_heads, c.head_dim, c.num_hidden_layers
+    block = c.block_size
+    outputs = [TensorSpec("block_hidden", dtype, ("batch", block, c.hidden_size))]
+    if placement.lm_head_in_backbone:
+        outputs.append(TensorSpec("base_logits", dtype, ("batch", block, c.vocab_size)))
+    return GraphSpec(
+        BACKBONE,
+        inputs=(
+            TensorSpec("block_ids", "int64", ("batch", block)),
+            TensorSpec("block_position_ids", "int64", ("batch", block)),
+            TensorSpec("context_features", dtype, ("batch", "context_tokens", c.context_feature_size)),
+            TensorSpec("context_position_ids", "int64", ("batch", "context_tokens")),
+            TensorSpec("attention_mask", "bool", ("batch", 1, block, "block_total")),
+            *_kv("past_context", layers, kvh, "context_past", hd, dtype),
+        ),
+        outputs=(*outputs, *_kv("present_context", layers, kvh, "context_total", hd, dtype)),
+    )
+
+
+def has_head_graphs(config: DrafterConfig) -> bool:
+    """DFlash drafters (no Markov, no confidence head) draft straight from the base logits."""
+    return config.has_markov_head or config.enable_confidence_head
+
+
+def head_step_spec(config: DrafterConfig, placement: Placement, dtype: str) -> GraphSpec:
+    c = config
+    inputs = [TensorSpec("hidden", dtype, ("batch", c.hidden_size))]
+    if placement.lm_head_in_backbone:
+        inputs.append(TensorSpec("base_logits", dtype, ("batch", c.vocab_size)))
+    inputs.append(TensorSpec("prev_ids", "int64", ("batch",)))
+    outputs = [TensorSpec("logits", dtype, ("batch", c.vocab_size))]
+    if c.enable_confidence_head:
+        outputs.append(TensorSpec("confidence_logit", dtype, ("batch",)))
+    if c.markov_head_type == "rnn" and c.has_markov_head:
+        inputs.append(TensorSpec("state", dtype, ("batch", c.markov_rank)))
+        outputs.append(TensorSpec("next_state", dtype, ("batch", c.markov_rank)))
+    return GraphSpec(HEAD_STEP, inputs=tuple(inputs), outputs=tuple(outputs))
+
+
+def head_greedy_spec(config: DrafterConfig, placement: Placement, dtype: str) -> GraphSpec:
+    c = config
+    block = c.block_size
+    inputs = [TensorSpec("block_hidden", dtype, ("batch", block, c.hidden_size))]
+    if placement.lm_head_in_backbone:
+        inputs.append(TensorSpec("base_logits", dtype, ("batch", block, c.vocab_size)))
+    inputs.append(TensorSpec("anchor_ids", "int64", ("batch",)))
+    outputs = [
+        TensorSpec("logits", dtype, ("batch", block, c.vocab_size)),
+        TensorSpec("draft_ids", "int64", ("batch", block)),
+    ]
+    if c.enable_confidence_head:
+        outputs.append(TensorSpec("confidence_logits", dtype, ("batch", block)))
+    return GraphSpec(HEAD_GREEDY, inputs=tuple(inputs), outputs=tuple(outputs))

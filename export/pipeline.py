@@ -1,0 +1,178 @@
+"""`export_pair`: target + drafter folders -> ONNX graphs + export.json, checked for parity."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import onnxruntime as ort
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from dspark.models import (
+    DrafterConfig,
+    DSparkDrafter,
+    TargetConfig,
+    TargetModel,
+    check_drafter_fits_target,
+    load_pair,
+)
+
+from . import contract as C
+from . import feeds as F
+from . import parity as P
+from .drafter_graphs import BackboneGraph, HeadGreedyGraph, HeadStepGraph
+from .lower import MAX_OPSET, MIN_OPSET, TWO_GB, ExportError, lower
+from .manifest import FORMAT_VERSION, file_entries, model_section, write_manifest
+from .target_graph import StaticCacheTargetGraph, TargetGraph
+
+DEFAULT_OPSET = 17
+# Measured with `python -m dspark.export.benchmarks` (see export/README.md): one batched LM-head
+# matmul in the backbone beats per-slot matmuls inside the head graphs.
+DEFAULT_PLACEMENT = C.Placement(lm_head_in_backbone=True)
+TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_EXAMPLE = F.Case(batch=2, tokens=3, past=5)  # no dim of size 0 or 1, so nothing gets specialised
+
+
+@dataclass
+class GraphJob:
+    spec: C.GraphSpec
+    module: nn.Module
+    example: tuple[torch.Tensor, ...]
+    parity: Callable[[ort.InferenceSession, C.GraphSpec], dict[str, Any]]
+
+
+def graph_jobs(
+    target: TargetModel, drafter: DSparkDrafter, dtype: str, placement: C.Placement = DEFAULT_PLACEMENT
+) -> list[GraphJob]:
+    """Every graph of a pair, with the example feeds to trace it and its parity sweep."""
+    td = TORCH_DTYPES[dtype]
+    tc, dc = target.config, drafter.config
+    g = torch.Generator().manual_seed(0)
+    concat = TargetGraph(target)
+    static = StaticCacheTargetGraph(target)
+    backbone = BackboneGraph(drafter, placement)
+    target_example = F.target_feeds(tc, _EXAMPLE, td, g)
+    jobs = [
+        GraphJob(
+            C.target_spec(tc, dc.context_feature_size, dtype),
+            concat,
+            target_example,
+            lambda s, spec: P.target_parity(s, spec, concat, tc, td),
+        ),
+        GraphJob(
+            C.target_static_spec(tc, dc.context_feature_size, dtype),
+            static,
+            F.static_feeds(target_example, 2, g),
+            lambda s, spec: P.static_parity(s, spec, target, td),
+        ),
+        GraphJob(
+            C.backbone_spec(dc, placement, dtype),
+            backbone,
+            F.backbone_feeds(dc, _EXAMPLE, td, g),
+            lambda s, spec: P.backbone_parity(s, spec, backbone, dc, td),
+        ),
+    ]
+    if C.has_head_graphs(dc):
+        step, greedy = HeadStepGraph(drafter, placement), HeadGreedyGraph(drafter, placement)
+        inside = placement.lm_head_in_backbone
+        jobs += [
+            GraphJob(
+                C.head_step_spec(dc, placement, dtype),
+                step,
+                F.head_step_feeds(dc, 2, inside, td, g),
+                lambda s, spec: P.head_parity(s, spec, step, dc, placement, td, greedy=False),
+            ),
+            GraphJob(
+                C.head_greedy_spec(dc, placement, dtype),
+                greedy,
+                F.head_greedy_feeds(dc, 2, inside, td, g),
+                lambda s, spec: P.head_parity(s, spec, greedy, dc, placement, td, greedy=True),
+            ),
+        ]
+    return jobs
+
+
+def check_options(dtype: str, opset: int) -> None:
+    if dtype not in TORCH_DTYPES:
+        raise ExportError(f"--dtype {dtype!r} is not supported (choose one of {', '.join(C.DTYPES)})")
+    if not MIN_OPSET <= opset <= MAX_OPSET:
+        raise ExportError(f"--opset {opset} is out of range: supported opsets are {MIN_OPSET}..{MAX_OPSET}")
+
+
+def export_pair(
+    target_dir: str | Path,
+    drafter_dir: str | Path,
+    out_dir: str | Path,
+    *,
+    dtype: str = "float32",
+    opset: int = DEFAULT_OPSET,
+    check: bool = True,
+    external_data_threshold: int = TWO_GB,
+    show_progress: bool = False,
+) -> dict[str, Any]:
+    """Export every graph of the pair into `out_dir` and write `export.json`; returns the manifest.
+
+    Raises CheckpointError (missing/corrupt files, unsupported architecture),
+    IncompatibleDrafterError (drafter not made for this target) or ExportError (bad options).
+    """
+    check_options(dtype, opset)
+    target_dir, drafter_dir, out_dir = Path(target_dir), Path(drafter_dir), Path(out_dir)
+    target_config = TargetConfig.from_folder(target_dir)
+    drafter_config = DrafterConfig.from_folder(drafter_dir)
+    check_drafter_fits_target(drafter_config, target_config)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ExportError(f"--out {out_dir} exists and is not a directory")
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    started = time.perf_counter()
+    target, drafter = load_pair(target_dir, drafter_dir, dtype=TORCH_DTYPES[dtype])
+    jobs = graph_jobs(target, drafter, dtype)
+    graphs: dict[str, Any] = {}
+    parity: dict[str, Any] = {}
+    steps = tqdm(jobs, desc="dspark-export", unit="graph", disable=not show_progress)
+    for job in steps:
+        steps.set_postfix_str(job.spec.name)
+        t0 = time.perf_counter()
+        files = lower(
+            job.module,
+            job.example,
+            job.spec,
+            out_dir,
+            opset=opset,
+            external_data_threshold=external_data_threshold,
+        )
+        graphs[job.spec.name] = {
+            **job.spec.to_json(),
+            "files": file_entries(files, out_dir),
+            "export_seconds": round(time.perf_counter() - t0, 3),
+        }
+        if check:
+            parity[job.spec.name] = _measure(job, out_dir / job.spec.file)
+    manifest = {
+        "format_version": FORMAT_VERSION,
+        "dtype": dtype,
+        "opset": opset,
+        "exporter": f"torch.onnx TorchScript tracer, torch {torch.__version__}",
+        **model_section(target_config, drafter_config, target_dir),
+        "lm_head_in_backbone": DEFAULT_PLACEMENT.lm_head_in_backbone,
+        "graphs": graphs,
+        "parity": parity if check else None,
+        "export_seconds": round(time.perf_counter() - started, 3),
+    }
+    write_manifest(out_dir, manifest)
+    return manifest
+
+
+def _measure(job: GraphJob, path: Path) -> dict[str, Any]:
+    """Parity of one graph; half-precision graphs ORT CPU has no kernels for are reported, not hidden."""
+    try:
+        sess = P.session(path)
+        with torch.no_grad():
+            return {"runtime": f"onnxruntime {ort.__version__} CPU", **job.parity(sess, job.spec)}
+    except (ort.capi.onnxruntime_pybind11_state.NotImplemented, TypeError) as exc:
+        return {"skipped": f"onnxruntime CPU cannot run this graph: {str(exc).splitlines()[0][:200]}"}
