@@ -8,13 +8,14 @@ rejection sampler needs.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from dspark.models import DSparkDrafter
 
-from .sampling import sample_token
+from .sampling import sample_rows, sample_token
 
 
 @dataclass
@@ -50,4 +51,35 @@ def propose_block(
         tokens=torch.stack(tokens, dim=1),
         logits=torch.stack(logits, dim=1),
         confidence_logits=None if drafter.confidence_head is None else torch.stack(confidences, dim=1),
+    )
+
+
+def propose_rows(
+    run_head: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]],
+    *,
+    hidden: torch.Tensor,  # [R, γ, H] backbone output
+    base_logits: torch.Tensor,  # [R, γ, V]
+    anchors: torch.Tensor,  # [R] last committed tokens
+    state_size: int,  # recurrent head state width (0 for stateless heads)
+    temperatures: list[float],  # per request
+    generators: list[torch.Generator | None],  # per request
+) -> DraftBlock:
+    """`propose_block` for a batch of requests through the `draft_head` graph: each request
+    samples with its own temperature and random stream, in the same order as the reference."""
+    rows = hidden.shape[0]
+    state = torch.zeros(rows, state_size, dtype=hidden.dtype)
+    prev = anchors
+    tokens, logits, confidences = [], [], []
+    for k in range(hidden.shape[1]):
+        out = run_head({"hidden": hidden[:, k].contiguous(), "base_logits": base_logits[:, k].contiguous(),
+                        "prev_ids": prev, "state": state})
+        step_logits, state = out["logits"], out["state"]
+        prev = sample_rows(step_logits, temperatures, generators)
+        tokens.append(prev)
+        logits.append(step_logits)
+        confidences.append(out.get("confidence_logits"))
+    return DraftBlock(
+        tokens=torch.stack(tokens, dim=1),
+        logits=torch.stack(logits, dim=1),
+        confidence_logits=None if confidences[0] is None else torch.stack(confidences, dim=1),
     )

@@ -18,3 +18,16 @@ def sample_token(
         return logits.argmax(dim=-1)
     probs = probabilities(logits, temperature)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def sample_rows(
+    logits: torch.Tensor,  # [N, V]
+    temperatures: list[float],  # per row
+    generators: list[torch.Generator | None],  # per row: each request draws from its own stream
+) -> torch.Tensor:
+    """Per-row `sample_token`: row r uses temperatures[r] and generators[r] -> token ids [N]."""
+    tokens = logits.argmax(dim=-1)
+    for r, (temperature, generator) in enumerate(zip(temperatures, generators, strict=True)):
+        if temperature > 0.0:
+            tokens[r] = sample_token(logits[r : r + 1], temperature, generator)[0]
+    return tokens

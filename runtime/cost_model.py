@@ -1,0 +1,57 @@
+"""The step cost model behind SPS(B): seconds per decode step as a function of load.
+
+On CPU a step's time depends on both the number of requests R (per-request work: KV traffic,
+the drafter forward, the sequential head, Python bookkeeping) and the number of verified
+tokens B = Σ(1 + ℓ_r) (the target's matmuls). A table indexed by B alone would mix the two, so
+the model is a 2-D linear fit
+
+    t(R, B) = intercept + per_request·R + per_token·B   (seconds),
+
+fitted by least squares on timed steps. SPS(B) for a step with R requests is 1 / t(R, B).
+It is profiled at start-up (`profile_cost_model`) until engines store a cost table, and it
+can be refitted from the live step timings (`fit`), which is how the measured load of the
+machine enters the scheduler.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class StepCostModel:
+    intercept: float  # seconds
+    per_request: float  # seconds per active request
+    per_token: float  # seconds per verified token
+
+    def seconds(self, requests: int, tokens: int) -> float:
+        return max(self.intercept + self.per_request * requests + self.per_token * tokens, 1e-9)
+
+    def to_dict(self) -> dict[str, float]:
+        return {"intercept_ms": 1e3 * self.intercept, "per_request_ms": 1e3 * self.per_request,
+                "per_token_ms": 1e3 * self.per_token}
+
+    @classmethod
+    def fit(cls, samples: Sequence[tuple[int, int, float]]) -> StepCostModel:
+        """samples: (requests, tokens, seconds). Coefficients are clamped at >= 0 (a cost)."""
+        if len(samples) < 3:
+            raise ValueError(f"a cost fit needs at least 3 timed steps, got {len(samples)}")
+        x = torch.tensor([[1.0, r, b] for r, b, _ in samples], dtype=torch.float64)
+        y = torch.tensor([[s] for _, _, s in samples], dtype=torch.float64)
+        coef = torch.linalg.lstsq(x, y, driver="gelsd").solution.flatten().clamp(min=0.0).tolist()
+        return cls(*coef)
+
+
+def time_call(fn: Callable[[], object], repeats: int) -> float:
+    """Median wall-clock seconds of `repeats` calls after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        begin = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - begin)
+    return sorted(times)[len(times) // 2]

@@ -1,0 +1,119 @@
+"""How many draft tokens each request verifies this step: the hardware-aware prefix scheduler.
+
+Algorithm 1 of the DSpark paper (§3.2.2): survival a_{r,j} = Π_{i≤j} c_{r,i}; candidates (r, j)
+with a_{r,j} > 0 sorted by a descending; starting from B = R tokens (every request verifies its
+anchor) and τ = R expected accepts, admit candidates one by one while the expected throughput
+Θ = τ·SPS(B) rises, and stop at the first candidate that does not raise it. The early stop is
+what keeps decoding lossless: the admission of token j of request r depends only on candidates
+with a survival ≥ a_{r,j}, never on the draft token x_{r,j} itself (Appendix A).
+
+Modes: `dspark` (Algorithm 1), `fixed` (γ' tokens), `threshold` (first per-slot confidence
+below a threshold, DeepSpec's static rule), `off` (0 drafts: plain autoregressive decoding).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from .scheduler import threshold_length
+
+MODES = ("dspark", "fixed", "threshold", "off")
+
+StepSeconds = Callable[[int, int], float]  # (requests R, verified tokens B) -> seconds per step
+
+
+class SchedulerConfigError(ValueError):
+    """A scheduler mode or parameter that cannot be used as given."""
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    mode: str = "dspark"
+    fixed_length: int | None = None  # `fixed`: draft tokens per request (None = the block size)
+    threshold: float = 0.5  # `threshold`: per-slot σ(c) cut-off
+    confidence_temperatures: tuple[float, ...] | None = None  # STS, one per block slot
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise SchedulerConfigError(f"scheduler mode '{self.mode}' is unknown; choose one of {MODES}")
+        if self.fixed_length is not None and self.fixed_length < 0:
+            raise SchedulerConfigError(f"fixed_length must be >= 0, got {self.fixed_length}")
+        if not 0.0 <= self.threshold < 1.0:
+            raise SchedulerConfigError(f"threshold must lie in [0, 1), got {self.threshold}")
+        if self.confidence_temperatures is not None and min(self.confidence_temperatures) <= 0:
+            raise SchedulerConfigError("confidence temperatures must be > 0")
+
+    @property
+    def needs_drafts(self) -> bool:
+        return self.mode != "off" and not (self.mode == "fixed" and self.fixed_length == 0)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One step's scheduling outcome (kept in the step stats)."""
+
+    lengths: tuple[int, ...]  # ℓ_r draft tokens sent to verification, per request
+    expected_accepts: float | None  # τ* for the chosen lengths (dspark mode)
+    expected_throughput: float | None  # Θ* = τ*·SPS(B*) tokens/s as the cost model predicts
+    considered: int  # candidates evaluated before stopping (dspark mode)
+
+
+def survival(confidence_logits: torch.Tensor, temperatures: tuple[float, ...] | None = None) -> torch.Tensor:
+    """[R, γ] pre-sigmoid confidences -> [R, γ] prefix survival a_{r,j} = Π_{i≤j} σ(c_{r,i} / T_i)."""
+    logits = confidence_logits.double()
+    if temperatures is not None:
+        if len(temperatures) < logits.shape[1]:
+            raise SchedulerConfigError(
+                f"{len(temperatures)} confidence temperatures for a block of {logits.shape[1]} slots"
+            )
+        logits = logits / torch.tensor(temperatures[: logits.shape[1]], dtype=torch.float64)
+    return torch.sigmoid(logits).cumprod(dim=1)
+
+
+def prefix_schedule(survival_probs: torch.Tensor, step_seconds: StepSeconds) -> Decision:
+    """Algorithm 1. survival_probs [R, γ], non-increasing along γ. SPS(B) = 1 / step_seconds(R, B)."""
+    requests, gamma = survival_probs.shape
+    values = survival_probs.tolist()
+    # Descending survival; ties keep (request, slot) order so a request's slots stay in prefix order.
+    candidates = sorted(
+        ((values[r][j], r, j) for r in range(requests) for j in range(gamma) if values[r][j] > 0),
+        key=lambda c: (-c[0], c[1], c[2]),
+    )
+    lengths = [0] * requests
+    tokens, tau = requests, float(requests)
+    best = tau / step_seconds(requests, tokens)
+    considered = 0
+    for a, r, j in candidates:
+        considered += 1
+        theta = (tau + a) / step_seconds(requests, tokens + 1)
+        if theta <= best:
+            break  # early stop: nothing after this candidate is looked at
+        best, tau, tokens = theta, tau + a, tokens + 1
+        lengths[r] = j + 1
+    return Decision(tuple(lengths), tau, best, considered)
+
+
+def schedule(
+    config: SchedulerConfig,
+    *,
+    requests: int,
+    block_size: int,
+    confidence_logits: torch.Tensor | None,  # [R, γ] or None (drafter without confidence head)
+    step_seconds: StepSeconds | None,
+) -> Decision:
+    if config.mode == "off":
+        return Decision((0,) * requests, None, None, 0)
+    if config.mode == "fixed":
+        k = block_size if config.fixed_length is None else min(config.fixed_length, block_size)
+        return Decision((k,) * requests, None, None, 0)
+    if confidence_logits is None:
+        raise SchedulerConfigError(f"scheduler mode '{config.mode}' needs a drafter with a confidence head")
+    if config.mode == "threshold":
+        lengths = tuple(threshold_length(row, config.threshold) for row in confidence_logits)
+        return Decision(lengths, None, None, 0)
+    if step_seconds is None:
+        raise SchedulerConfigError("scheduler mode 'dspark' needs a step cost model")
+    return prefix_schedule(survival(confidence_logits, config.confidence_temperatures), step_seconds)

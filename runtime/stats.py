@@ -1,0 +1,79 @@
+"""What the engine records: per-request results and per-step decisions and timings."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class RequestResult:
+    request_id: int
+    prompt_ids: list[int]
+    tokens: list[int]  # generated ids, prompt excluded, truncated at max_new_tokens / stop
+    acceptance_lengths: list[int] = field(default_factory=list)  # per round, bonus included
+    proposal_lengths: list[int] = field(default_factory=list)  # drafts verified per round
+    finish_reason: str = ""  # "length" or "stop"
+    submitted_step: int = 0
+    admitted_step: int = -1
+    finished_step: int = -1
+
+    @property
+    def rounds(self) -> int:
+        return len(self.acceptance_lengths)
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        return sum(self.acceptance_lengths) / max(self.rounds, 1)
+
+    @property
+    def verified_tokens(self) -> int:
+        """Tokens the target verified for this request: anchor + drafts, every round."""
+        return sum(k + 1 for k in self.proposal_lengths)
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out.update(rounds=self.rounds, mean_acceptance_length=self.mean_acceptance_length,
+                   verified_tokens=self.verified_tokens)
+        return out
+
+
+@dataclass
+class StepRecord:
+    step: int
+    requests: int  # R active requests this step
+    admitted_new: int  # requests prefilled this step
+    lengths: list[int]  # ℓ_r per request (scheduler decision)
+    verified_tokens: int  # B = Σ(1 + ℓ_r)
+    padded_tokens: int  # R × (1 + max ℓ): what the padded verification computed
+    accepted: list[int]  # acceptance length per request (bonus included)
+    expected_accepts: float | None  # τ* (dspark mode)
+    predicted_seconds: float | None  # cost model's t(R, B) for the decision
+    seconds: dict[str, float]  # phase -> wall seconds (prefill, draft, heads, schedule, verify, commit)
+    cpu_percent: float | None = None
+    gpu_percent: float | None = None
+
+    @property
+    def total_seconds(self) -> float:
+        return sum(self.seconds.values())
+
+
+@dataclass
+class EngineStats:
+    steps: list[StepRecord] = field(default_factory=list)
+
+    def summary(self) -> dict[str, float]:
+        decode = [s for s in self.steps if s.requests]
+        seconds = sum(s.total_seconds for s in self.steps)
+        committed = sum(sum(s.accepted) for s in decode)
+        verified = sum(s.verified_tokens for s in decode)
+        padded = sum(s.padded_tokens for s in decode)
+        return {
+            "steps": len(decode),
+            "seconds": seconds,
+            "committed_tokens": committed,
+            "tokens_per_second": committed / seconds if seconds else 0.0,
+            "verified_tokens": verified,
+            "padded_tokens": padded,
+            "padding_fraction": 1 - verified / padded if padded else 0.0,
+            "mean_acceptance_length": committed / max(sum(s.requests for s in decode), 1),
+        }
