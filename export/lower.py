@@ -66,6 +66,7 @@ def lower(
                 dynamo=False,
             )
         model = onnx.load(str(traced))  # also reads any external tensors the exporter wrote
+    _fix_bfloat16_casts(model)
     check_matches_spec(model, spec)
     path = out_dir / spec.file
     weight_bytes = sum(_tensor_bytes(t) for t in model.graph.initializer)
@@ -80,9 +81,22 @@ def lower(
             location=data.name,
             size_threshold=1024,
         )
+        onnx.checker.check_model(str(path), full_check=True)  # by path: the proto may exceed 2 GB
         return [path, data]
+    onnx.checker.check_model(model, full_check=True)  # full_check runs strict type/shape inference
     onnx.save_model(model, str(path))
     return [path]
+
+
+def _fix_bfloat16_casts(model: onnx.ModelProto) -> None:
+    """The TorchScript exporter writes torch's ScalarType number for bfloat16 (15) as a Cast's
+    ONNX type, which means complex128 there (seen on `scores * head_dim**-0.5` when head_dim is a
+    traced shape). Our models never use complex numbers, so every such Cast is meant as bfloat16."""
+    for node in model.graph.node:
+        if node.op_type == "Cast":
+            for attr in node.attribute:
+                if attr.name == "to" and attr.i == onnx.TensorProto.COMPLEX128:
+                    attr.i = onnx.TensorProto.BFLOAT16
 
 
 def _tensor_bytes(tensor: onnx.TensorProto) -> int:

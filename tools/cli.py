@@ -13,10 +13,10 @@ import click
 # name -> (module under dspark.tools, click command attribute, one-line help)
 _COMMANDS: dict[str, tuple[str, str, str]] = {
     "generate": ("generate_command", "generate", "Generate text with speculative decoding."),
+    "train": ("train_command", "train", "Train the bundled demo tokenizer, target and drafters."),
 }
 _NOT_BUILT = {
     "export": "use dspark-export",
-    "train": "training the bundled demo pair",
     "bench": "benchmarks against other runtimes",
     "calibrate": "Sequential Temperature Scaling of confidences",
     "serve": "an HTTP server",
@@ -53,8 +53,7 @@ def main() -> None:
 
 
 def export_main() -> None:
-    click.echo("dspark-export: not built yet (ONNX export of target and drafter).", err=True)
-    raise SystemExit(2)
+    importlib.import_module("dspark.tools.export_command").export()
 
 
 def build_engine_main() -> None:
