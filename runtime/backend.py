@@ -1,8 +1,9 @@
 """The backend interface: run a named graph on named feeds (Polygraphy-style runner).
 
-Every backend (PyTorch reference, ONNX Runtime, later TensorRT) describes its graphs with
-`GraphSpec`s; `Backend.run` checks each feed against the spec (names, dtypes, ranks and the
-fixed dims) before dispatching, and times every call. Feeds and outputs are numpy arrays or
+Every backend (PyTorch reference, ONNX Runtime, later TensorRT) describes its graphs with the
+export contract's `GraphSpec`s (`dspark.export.contract`: names, dtypes, dims); `Backend.run`
+checks each feed against the spec (names, dtypes, ranks, fixed dims, and one size per symbolic
+dim across feeds) before dispatching, and times every call. Feeds and outputs are numpy arrays or
 torch tensors; a backend returns what is cheapest for it, and `as_torch` converts.
 """
 
@@ -17,6 +18,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from dspark.export.contract import GraphSpec
+
 Array = np.ndarray | torch.Tensor
 
 _NUMPY_NAMES = {"int64": "int64", "int32": "int32", "float32": "float32", "float16": "float16",
@@ -25,23 +28,6 @@ _NUMPY_NAMES = {"int64": "int64", "int32": "int32", "float32": "float32", "float
 
 class BackendError(RuntimeError):
     """A graph was called with feeds that do not match its metadata, or does not exist."""
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    """A named input or output: dtype name ('int64', 'float32', 'bool', ...) and dims, each an
-    int (fixed) or a str (symbolic, any size)."""
-
-    name: str
-    dtype: str
-    shape: tuple[int | str, ...]
-
-
-@dataclass(frozen=True)
-class GraphSpec:
-    name: str
-    inputs: tuple[TensorSpec, ...]
-    outputs: tuple[TensorSpec, ...]
 
 
 def dtype_name(value: Array) -> str:
@@ -65,12 +51,12 @@ def check_feeds(spec: GraphSpec, feeds: Mapping[str, Array]) -> None:
             problems.append(f"{name}: dtype {dtype_name(value)}, expected {t.dtype}")
             continue
         shape = tuple(value.shape)
-        if len(shape) != len(t.shape):
-            problems.append(f"{name}: rank {len(shape)} {shape}, expected {t.shape}")
+        if len(shape) != len(t.dims):
+            problems.append(f"{name}: rank {len(shape)} {shape}, expected dims {t.dims}")
             continue
-        for got, want in zip(shape, t.shape, strict=True):
+        for got, want in zip(shape, t.dims, strict=True):
             if isinstance(want, int) and got != want:
-                problems.append(f"{name}: shape {shape}, expected {t.shape}")
+                problems.append(f"{name}: shape {shape}, expected dims {t.dims}")
                 break
             if isinstance(want, str) and bound.setdefault(want, got) != got:
                 problems.append(f"{name}: dim '{want}' is {got} here but {bound[want]} in another feed")

@@ -25,9 +25,12 @@ from dataclasses import dataclass
 
 import torch
 
+from dspark.export import contract as C
+
 from .backend import Array, Backend, as_torch
 from .cost_model import StepCostModel
-from .kv_cache import Admission, CacheShape, Capacity, SlotCache
+from .kv_cache import Admission, Capacity, SlotCache
+from .model_info import ModelInfo
 from .monitor import Monitor
 from .prefix_scheduler import SchedulerConfig, schedule
 from .proposer import DraftBlock, propose_rows
@@ -35,20 +38,6 @@ from .reference_decoder import RequestError, validate_request
 from .rejection import verify_chain
 from .sampling import sample_rows
 from .stats import EngineStats, RequestResult, StepRecord
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    """What the loop needs to know about the graphs (from the models or export.json)."""
-
-    vocab_size: int
-    max_positions: int
-    block_size: int
-    mask_token_id: int
-    target_cache: CacheShape
-    drafter_cache: CacheShape
-    context_feature_size: int
-    head_state_size: int
 
 
 @dataclass
@@ -69,8 +58,18 @@ def _phase(seconds: dict[str, float], name: str, begin: float) -> float:
     return now
 
 
+KV_MODES = ("concat", "static")
+
+
 class Engine:
-    """Continuous batching over a `Backend` exposing `target`, `drafter` and `draft_head`."""
+    """Continuous batching over a `Backend` with the export contract's graphs.
+
+    kv_mode `concat` feeds each step's past as [R, kvh, max start, hd] (a view here, a copy
+    for backends that need contiguous inputs) and the graph returns past ++ new; `static` binds
+    the slot buffers themselves ([R, kvh, max_seq_len, hd], contiguous, never copied) to the
+    `target_static` graph, which returns only the new rows. Either way only the accepted rows
+    are written back, at each request's own length.
+    """
 
     def __init__(
         self,
@@ -81,7 +80,14 @@ class Engine:
         scheduler: SchedulerConfig,
         cost_model: StepCostModel | None = None,
         monitor: Monitor | None = None,
+        kv_mode: str = "static",
     ) -> None:
+        if kv_mode not in KV_MODES:
+            raise ValueError(f"kv_mode '{kv_mode}' is unknown; choose one of {KV_MODES}")
+        graph = C.TARGET_STATIC if kv_mode == "static" else C.TARGET
+        if graph not in backend.specs:
+            raise ValueError(f"kv_mode '{kv_mode}' needs the '{graph}' graph, which this backend lacks")
+        self.kv_mode, self._target_graph = kv_mode, graph
         self.backend, self.info, self.scheduler = backend, info, scheduler
         self.cost_model, self.monitor = cost_model, monitor
         self.admission = Admission(capacity)
@@ -150,14 +156,7 @@ class Engine:
         if self.scheduler.needs_drafts:
             hidden, base_logits = self._draft()
             begin = _phase(seconds, "draft", begin)
-            block = propose_rows(
-                lambda feeds: self._run("draft_head", feeds),
-                hidden=hidden, base_logits=base_logits,
-                anchors=torch.tensor([a.anchor for a in self.active]),
-                state_size=self.info.head_state_size,
-                temperatures=[a.temperature for a in self.active],
-                generators=[a.generator for a in self.active],
-            )
+            block = self._propose(hidden, base_logits)
             begin = _phase(seconds, "heads", begin)
         step_seconds = self.cost_model.seconds if self.cost_model else None
         decision = schedule(self.scheduler, requests=rows, block_size=self.info.block_size,
@@ -206,16 +205,14 @@ class Engine:
             ids[r, : lengths[r]] = torch.tensor(a.result.prompt_ids)
         valid = torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]  # [P, width]
         causal = torch.ones(width, width, dtype=torch.bool).tril()
-        mask = (causal[None] & valid[:, None, :])[:, None]  # [P, 1, width, width]
-        out = self._run("target", {
-            "input_ids": ids, "position_ids": torch.arange(width).expand(len(new), width).contiguous(),
-            "attention_mask": mask, **self._past_feeds(self.target_kv, len(new), 0, "past_key_values"),
-        })
-        present = self._present(out, "present", self.info.target_cache.layers)
+        new_mask = causal[None] & valid[:, None, :]  # [P, width, width]
         for r in range(len(new)):
             self.target_kv.clear(first_row + r)
             self.drafter_kv.clear(first_row + r)
-        self.target_kv.write(present, source_offset=0, counts=lengths, first_row=first_row)
+        starts = torch.zeros(len(new), dtype=torch.int64)
+        out, present, offset = self._target(first_row, ids, starts, torch.arange(width).expand(len(new), -1),
+                                            new_mask)
+        self.target_kv.write(present, source_offset=offset, counts=lengths, first_row=first_row)
         last = out["logits"][torch.arange(len(new)), torch.tensor(lengths) - 1]  # [P, V]
         anchors = sample_rows(last, [a.temperature for a in new], [a.generator for a in new])
         for r, a in enumerate(new):
@@ -224,20 +221,30 @@ class Engine:
             a.result.tokens.append(a.anchor)
             self.active.append(a)
 
-    def _past_feeds(self, cache: SlotCache, rows: int, upto: int, prefix: str) -> dict[str, torch.Tensor]:
-        feeds = {}
-        for i, (k, v) in enumerate(cache.past(rows, upto) if upto else self._empty(cache, rows)):
-            feeds[f"{prefix}.{i}.key"], feeds[f"{prefix}.{i}.value"] = k, v
-        return feeds
-
-    @staticmethod
-    def _empty(cache: SlotCache, rows: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        _, kvh, _, hd = cache.keys[0].shape
-        return [(torch.zeros(rows, kvh, 0, hd), torch.zeros(rows, kvh, 0, hd)) for _ in cache.keys]
-
-    @staticmethod
-    def _present(out: dict[str, torch.Tensor], prefix: str, layers: int) -> list[tuple[torch.Tensor, ...]]:
-        return [(out[f"{prefix}.{i}.key"], out[f"{prefix}.{i}.value"]) for i in range(layers)]
+    def _target(
+        self,
+        first_row: int,
+        ids: torch.Tensor,  # [R, T]
+        starts: torch.Tensor,  # [R] committed KV length of each row
+        positions: torch.Tensor,  # [R, T]
+        new_mask: torch.Tensor,  # [R, T, T] bool: which new tokens each new token sees
+    ) -> tuple[dict[str, torch.Tensor], list[tuple[torch.Tensor, ...]], int]:
+        """One target call on slot rows first_row.. -> outputs, new KV rows source, their column."""
+        rows = ids.shape[0]
+        layers = self.info.target_cache.layers
+        if self.kv_mode == "static":
+            cache, prefix, offset = self.target_kv.past(first_row, rows), "cache", 0
+        else:
+            offset = int(starts.max())
+            cache, prefix = self.target_kv.past(first_row, rows, offset), "past_key_values"
+        cols = torch.arange(cache[0][0].shape[2])
+        past_mask = (cols[None, :] < starts[:, None])[:, None, :].expand(-1, ids.shape[1], -1)
+        feeds = {"input_ids": ids, "position_ids": positions.contiguous(),
+                 "attention_mask": torch.cat((past_mask, new_mask), dim=2)[:, None].contiguous()}
+        feeds.update(_kv_feeds(prefix, cache))
+        out = self._run(self._target_graph, feeds)
+        present = _kv_outputs(out, "new" if self.kv_mode == "static" else "present", layers)
+        return out, present, offset
 
     def _draft(self) -> tuple[torch.Tensor, torch.Tensor]:
         rows, gamma = len(self.active), self.info.block_size
@@ -252,20 +259,36 @@ class Engine:
         visible = ((cols < torch.tensor(cached)[:, None])
                    | ((cols >= past) & (cols < past + torch.tensor(pending)[:, None]))
                    | (cols >= past + ctx))  # [R, keys]
-        out = self._run("drafter", {
+        out = self._run(C.BACKBONE, {
             "block_ids": torch.cat((torch.tensor([[a.anchor] for a in self.active]),
                                     torch.full((rows, gamma - 1), self.info.mask_token_id)), dim=1),
             "block_position_ids": starts[:, None] + torch.arange(gamma),
             "context_features": features,
             "context_position_ids": torch.tensor(cached)[:, None] + torch.arange(ctx),
             "attention_mask": visible[:, None, None, :].expand(-1, 1, gamma, -1).contiguous(),
-            **self._past_feeds(self.drafter_kv, rows, past, "past_context"),
+            **_kv_feeds("past_context", self.drafter_kv.past(0, rows, past)),
         })
-        present = self._present(out, "present_context", self.info.drafter_cache.layers)
+        present = _kv_outputs(out, "present_context", self.info.drafter_cache.layers)
         self.drafter_kv.write(present, source_offset=past, counts=pending)
         for a in self.active:
             a.pending_context = None
-        return out["hidden"], out["base_logits"]
+        return out["block_hidden"], out.get("base_logits")
+
+    def _propose(self, hidden: torch.Tensor, base_logits: torch.Tensor | None) -> DraftBlock:
+        anchors = torch.tensor([a.anchor for a in self.active])
+        temperatures = [a.temperature for a in self.active]
+        if self.info.has_heads and all(t == 0.0 for t in temperatures):
+            feeds = {"block_hidden": hidden, "anchor_ids": anchors}
+            if self.info.lm_head_in_backbone:
+                feeds["base_logits"] = base_logits
+            out = self._run(C.HEAD_GREEDY, feeds)
+            return DraftBlock(out["draft_ids"], out["logits"], out.get("confidence_logits"))
+        return propose_rows(
+            (lambda feeds: self._run(C.HEAD_STEP, feeds)) if self.info.has_heads else None,
+            hidden=hidden, base_logits=base_logits, anchors=anchors,
+            feed_base_logits=self.info.lm_head_in_backbone, state_size=self.info.head_state_size,
+            temperatures=temperatures, generators=[a.generator for a in self.active],
+        )
 
     def _verify(
         self, lengths: Sequence[int], block: DraftBlock | None, seconds: dict[str, float], begin: float
@@ -273,21 +296,14 @@ class Engine:
         rows, width = len(self.active), 1 + max(lengths)
         ids = torch.zeros(rows, width, dtype=torch.int64)
         ids[:, 0] = torch.tensor([a.anchor for a in self.active])
-        for r, k in enumerate(lengths):
-            ids[r, 1 : 1 + k] = block.tokens[r, :k]
+        if block is not None:
+            for r, k in enumerate(lengths):
+                ids[r, 1 : 1 + k] = block.tokens[r, :k]
         starts = torch.tensor([a.start for a in self.active])
-        past = int(starts.max())
-        cols = torch.arange(past + width)[None, None, :]  # [1, 1, keys]
-        new_col = cols - past  # index among new tokens (negative for past columns)
-        row_t = torch.arange(width)[None, :, None]  # [1, T, 1]
+        col = torch.arange(width)
         n_valid = torch.tensor(lengths)[:, None, None] + 1
-        in_block = (new_col <= row_t) & (new_col < n_valid)
-        mask = torch.where(new_col < 0, cols < starts[:, None, None], in_block)  # [R, T, keys]
-        out = self._run("target", {
-            "input_ids": ids, "position_ids": starts[:, None] + torch.arange(width),
-            "attention_mask": mask[:, None].contiguous(),
-            **self._past_feeds(self.target_kv, rows, past, "past_key_values"),
-        })
+        new_mask = (col[None, None, :] <= col[None, :, None]) & (col[None, None, :] < n_valid)  # [R, T, T]
+        out, present, offset = self._target(0, ids, starts, starts[:, None] + col, new_mask)
         begin = _phase(seconds, "verify", begin)
         accepted = []
         for r, (a, k) in enumerate(zip(self.active, lengths, strict=True)):
@@ -306,8 +322,7 @@ class Engine:
             a.result.proposal_lengths.append(k)
             a.start += n + 1
             a.anchor = verdict.bonus
-        present = self._present(out, "present", self.info.target_cache.layers)
-        self.target_kv.write(present, source_offset=past, counts=accepted)
+        self.target_kv.write(present, source_offset=offset, counts=accepted)
         _phase(seconds, "commit", begin)
         return accepted, rows * width
 
@@ -334,3 +349,13 @@ class Engine:
             self.drafter_kv.clear(last)
             self.active[r] = self.active[last]
             self.active.pop()
+
+
+def _kv_feeds(prefix: str, cache: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    tensors = [t for kv in cache for t in kv]
+    return dict(zip(C.kv_names(prefix, len(cache)), tensors, strict=True))
+
+
+def _kv_outputs(out: dict[str, torch.Tensor], prefix: str, layers: int) -> list[tuple[torch.Tensor, ...]]:
+    names = C.kv_names(prefix, layers)
+    return [(out[names[2 * i]], out[names[2 * i + 1]]) for i in range(layers)]

@@ -36,9 +36,14 @@ class SlotCache:
         self.lengths = [0] * slots
         self.max_len = max_len
 
-    def past(self, rows: int, upto: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Views [rows, kvh, upto, hd] per layer: the batch's past, padded to `upto`."""
-        return [(k[:rows, :, :upto], v[:rows, :, :upto]) for k, v in zip(self.keys, self.values, strict=True)]
+    def past(self, first: int, rows: int, upto: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Views [rows, kvh, upto, hd] per layer of slot rows first..first+rows-1, padded to `upto`
+        (None: the whole slot, a contiguous view — what a static-cache graph binds)."""
+        end = first + rows
+        if upto is None:
+            return [(k[first:end], v[first:end]) for k, v in zip(self.keys, self.values, strict=True)]
+        return [(k[first:end, :, :upto], v[first:end, :, :upto])
+                for k, v in zip(self.keys, self.values, strict=True)]
 
     def write(
         self,

@@ -55,29 +55,39 @@ def propose_block(
 
 
 def propose_rows(
-    run_head: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]],
+    run_head: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None,
     *,
     hidden: torch.Tensor,  # [R, γ, H] backbone output
     base_logits: torch.Tensor,  # [R, γ, V]
     anchors: torch.Tensor,  # [R] last committed tokens
-    state_size: int,  # recurrent head state width (0 for stateless heads)
+    feed_base_logits: bool,  # the head graph takes base_logits (LM head placed in the backbone)
+    state_size: int,  # recurrent head state width (0: stateless head, no `state` feed)
     temperatures: list[float],  # per request
     generators: list[torch.Generator | None],  # per request
 ) -> DraftBlock:
-    """`propose_block` for a batch of requests through the `draft_head` graph: each request
-    samples with its own temperature and random stream, in the same order as the reference."""
+    """`propose_block` for a batch of requests through the `drafter_head_step` graph (feeds and
+    outputs as in `dspark.export.contract.head_step_spec`); `run_head=None` is a DFlash drafter
+    drafting straight from the base logits. Each request samples with its own temperature and
+    random stream, in the reference decoder's order."""
     rows = hidden.shape[0]
     state = torch.zeros(rows, state_size, dtype=hidden.dtype)
     prev = anchors
     tokens, logits, confidences = [], [], []
     for k in range(hidden.shape[1]):
-        out = run_head({"hidden": hidden[:, k].contiguous(), "base_logits": base_logits[:, k].contiguous(),
-                        "prev_ids": prev, "state": state})
-        step_logits, state = out["logits"], out["state"]
-        prev = sample_rows(step_logits, temperatures, generators)
+        if run_head is None:
+            out = {"logits": base_logits[:, k]}
+        else:
+            feeds = {"hidden": hidden[:, k].contiguous(), "prev_ids": prev}
+            if feed_base_logits:
+                feeds["base_logits"] = base_logits[:, k].contiguous()
+            if state_size:
+                feeds["state"] = state
+            out = run_head(feeds)
+            state = out.get("next_state", state)
+        prev = sample_rows(out["logits"], temperatures, generators)
         tokens.append(prev)
-        logits.append(step_logits)
-        confidences.append(out.get("confidence_logits"))
+        logits.append(out["logits"])
+        confidences.append(out.get("confidence_logit"))
     return DraftBlock(
         tokens=torch.stack(tokens, dim=1),
         logits=torch.stack(logits, dim=1),
