@@ -34,25 +34,26 @@ def child_draft_probs(
     if process not in DRAFT_PROCESSES:
         raise ValueError(f"process must be one of {DRAFT_PROCESSES}, got {process!r}")
     batch, n = parents.shape
-    vocab = parent_probs.shape[-1]
-    out = np.zeros((batch, n, vocab), dtype=np.float64)
-    for b in range(batch):
-        for c in range(1, n):
-            u = int(parents[b, c])
-            if u < 0:
-                continue
-            if process == "deterministic":
-                out[b, c, draft_tokens[b, c]] = 1.0
-            elif process == "iid":
-                out[b, c] = parent_probs[b, u]
-            else:
-                earlier = [s for s in range(1, c) if parents[b, s] == u]
-                q = parent_probs[b, u].astype(np.float64).copy()
-                q[draft_tokens[b, earlier]] = 0.0
-                if q.sum() <= 0:
-                    raise ValueError(
-                        f"node {c} (batch {b}): its earlier siblings exhaust the support of q at node {u}; "
-                        "sampling without replacement cannot draw it"
-                    )
-                out[b, c] = q / q.sum()
+    rows = np.arange(batch)
+    out = np.zeros((batch, n, parent_probs.shape[-1]), dtype=np.float64)
+    for c in range(1, n):
+        u = parents[:, c]
+        real = rows[u >= 0]
+        if process == "deterministic":
+            out[real, c, draft_tokens[real, c]] = 1.0
+            continue
+        q = parent_probs[real, u[real]].astype(np.float64)
+        if process == "without_replacement":
+            for s in range(1, c):  # earlier siblings' tokens cannot be drawn again
+                sibling = real[parents[real, s] == u[real]]
+                q[np.searchsorted(real, sibling), draft_tokens[sibling, s]] = 0.0
+            mass = q.sum(axis=-1, keepdims=True)
+            if (mass <= 0).any():
+                b = int(real[np.flatnonzero(mass[:, 0] <= 0)[0]])
+                raise ValueError(
+                    f"node {c} (batch {b}): its earlier siblings exhaust the support of q at node "
+                    f"{int(u[b])}; sampling without replacement cannot draw it"
+                )
+            q = q / mass
+        out[real, c] = q
     return out
