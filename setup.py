@@ -21,6 +21,8 @@ setup(
     python_requires=">=3.10",
     packages=["dspark", *(f"dspark.{name}" for name in SUBPACKAGES)],
     package_dir={"dspark": ".", **{f"dspark.{name}": name for name in SUBPACKAGES}},
+    # The bundled demo pair (models/demo/{target,dspark,dflash}) ships inside dspark.models.
+    package_data={"dspark.models": ["demo/README.md", "demo/*/*.json", "demo/*/*.safetensors"]},
     install_requires=[
         "torch==2.13.0",
         "numpy>=1.26",
@@ -34,7 +36,7 @@ setup(
         "psutil>=5.9",
     ],
     extras_require={
-        "dev": ["pytest>=8", "ruff>=0.6", "transformers>=4.51", "scipy>=1.11"],
+        "dev": ["pytest>=8", "ruff>=0.6", "transformers>=4.51", "scipy>=1.11", "matplotlib>=3.8"],
         "tensorrt": ["tensorrt>=10", "polygraphy>=0.49", "nvidia-ml-py>=12"],
         "serve": ["uvicorn>=0.30", "starlette>=0.38", "prometheus-client>=0.20"],
     },

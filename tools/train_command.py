@@ -1,0 +1,212 @@
+"""`dspark train tokenizer|target|drafter|evaluate`: reproduce the bundled demo pair.
+
+    dspark train tokenizer --out build/demo/tokenizer
+    dspark train target --tokenizer build/demo/tokenizer/tokenizer.json --out models/demo/target
+    dspark train drafter --target models/demo/target --kind dspark --out models/demo/dspark
+    dspark train drafter --target models/demo/target --kind dflash --out models/demo/dflash
+    dspark train evaluate --target models/demo/target --dspark models/demo/dspark \
+        --dflash models/demo/dflash --out build/demo/eval
+
+The defaults are the settings the bundled checkpoints were trained with.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+import torch
+
+from dspark.models import DrafterConfig, TargetModel
+from dspark.models.loss import DFLASH_WEIGHTS, DSPARK_WEIGHTS
+
+from . import corpus, demo_training
+
+_PATH = click.Path(path_type=Path)
+_EXISTING = click.Path(path_type=Path, exists=True)
+
+
+def _training_stream(tokenizer_file: Path, limit_files: int | None) -> torch.Tensor:
+    from tokenizers import Tokenizer
+
+    files = corpus.corpus_files("train")[:limit_files]
+    return corpus.encode_corpus(Tokenizer.from_file(str(tokenizer_file)), corpus.read_documents(files))
+
+
+@click.group("train")
+def train() -> None:
+    """Train the demo tokenizer, target and drafters on Python's standard library."""
+
+
+@train.command("tokenizer")
+@click.option("--out", type=_PATH, required=True, help="Folder for tokenizer.json.")
+@click.option("--vocab-size", default=4096, show_default=True)
+@click.option("--limit-files", type=int, default=None, help="Use only the first N training files (tests).")
+def tokenizer_command(out: Path, vocab_size: int, limit_files: int | None) -> None:
+    """Byte-level BPE over the training modules (special tokens <|endoftext|>, <|mask|>)."""
+    documents = corpus.read_documents(corpus.corpus_files("train")[:limit_files])
+    tokenizer = corpus.train_tokenizer(documents, vocab_size)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(out / "tokenizer.json"))
+    click.echo(f"tokenizer: {tokenizer.get_vocab_size()} tokens from {len(documents)} files -> {out}")
+
+
+@train.command("target")
+@click.option("--tokenizer", "tokenizer_file", type=_EXISTING, required=True, help="tokenizer.json")
+@click.option("--out", type=_PATH, required=True, help="Hugging Face checkpoint folder to write.")
+@click.option("--hidden-size", default=256, show_default=True)
+@click.option("--intermediate-size", default=768, show_default=True)
+@click.option("--layers", default=4, show_default=True)
+@click.option("--heads", default=4, show_default=True)
+@click.option("--kv-heads", default=2, show_default=True)
+@click.option("--steps", default=300, show_default=True)
+@click.option("--batch", default=8, show_default=True)
+@click.option("--seq-len", default=256, show_default=True)
+@click.option("--lr", default=3e-3, show_default=True)
+@click.option("--warmup", default=30, show_default=True)
+@click.option("--seed", default=0, show_default=True)
+@click.option("--limit-files", type=int, default=None, help="Use only the first N training files (tests).")
+@click.option("--progress/--no-progress", default=True)
+def target_command(
+    tokenizer_file: Path, out: Path, hidden_size: int, intermediate_size: int, layers: int, heads: int,
+    kv_heads: int, steps: int, batch: int, seq_len: int, lr: float, warmup: int, seed: int,
+    limit_files: int | None, progress: bool,
+) -> None:
+    """A Qwen3 target trained with next-token CE on the training modules."""
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(tokenizer_file))
+    if hidden_size % heads:
+        raise click.BadParameter(f"--hidden-size {hidden_size} is not a multiple of --heads {heads}")
+    config = demo_training.target_config_dict(
+        vocab_size=tokenizer.get_vocab_size(),
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=hidden_size // heads,
+        eos_token_id=corpus.special_token_id(tokenizer, corpus.EOS_TOKEN),
+    )
+    stream = _training_stream(tokenizer_file, limit_files)
+    schedule = demo_training.Schedule(
+        steps=steps, batch=batch, seq_len=seq_len, lr=lr, warmup=warmup, seed=seed
+    )
+    summary = demo_training.train_target(
+        stream, config, schedule, folder=out, tokenizer_file=tokenizer_file, progress=progress
+    )
+    click.echo(
+        f"target: {summary['parameters']:,} parameters, {steps} steps in {summary['wall_seconds']}s, "
+        f"loss {summary['first_losses']['total']:.3f} -> {summary['final_losses_ema']['total']:.3f} -> {out}"
+    )
+
+
+@train.command("drafter")
+@click.option("--target", "target_dir", type=_EXISTING, required=True, help="Target checkpoint folder.")
+@click.option("--out", type=_PATH, required=True, help="DeepSpec drafter folder to write.")
+@click.option("--kind", type=click.Choice(["dspark", "dflash"]), default="dspark", show_default=True,
+              help="dspark: Markov head + confidence head, paper loss; dflash: neither, CE only.")
+@click.option("--block-size", default=7, show_default=True)
+@click.option("--draft-layers", default=1, show_default=True)
+@click.option("--target-layer-ids", default=None, help="Comma-separated; default: every non-final layer.")
+@click.option("--markov-rank", default=32, show_default=True, help="Ignored for --kind dflash.")
+@click.option("--num-anchors", default=16, show_default=True)
+@click.option("--steps", default=300, show_default=True)
+@click.option("--batch", default=8, show_default=True)
+@click.option("--seq-len", default=256, show_default=True)
+@click.option("--lr", default=3e-3, show_default=True)
+@click.option("--warmup", default=30, show_default=True)
+@click.option("--seed", default=0, show_default=True)
+@click.option("--limit-files", type=int, default=None, help="Use only the first N training files (tests).")
+@click.option("--progress/--no-progress", default=True)
+def drafter_command(
+    target_dir: Path, out: Path, kind: str, block_size: int, draft_layers: int, target_layer_ids: str | None,
+    markov_rank: int, num_anchors: int, steps: int, batch: int, seq_len: int, lr: float, warmup: int,
+    seed: int, limit_files: int | None, progress: bool,
+) -> None:
+    """A DSpark (or DFlash baseline) drafter trained against the frozen target."""
+    target_json = json.loads((target_dir / "config.json").read_text(encoding="utf-8"))
+    layers = target_json["num_hidden_layers"]
+    ids = [int(i) for i in target_layer_ids.split(",")] if target_layer_ids else list(range(layers - 1))
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(target_dir / "tokenizer.json"))
+    mask_id = corpus.special_token_id(tokenizer, corpus.MASK_TOKEN)
+    dspark = kind == "dspark"
+    config = demo_training.drafter_config_dict(
+        target_json,
+        block_size=block_size,
+        num_draft_layers=draft_layers,
+        target_layer_ids=ids,
+        mask_token_id=mask_id,
+        num_anchors=num_anchors,
+        markov_rank=markov_rank if dspark else 0,
+        confidence_head=dspark,
+    )
+    DrafterConfig.from_dict(config, source="drafter options")  # refuse bad options before training
+    target = TargetModel.from_pretrained(target_dir, tuple(ids))
+    stream = _training_stream(target_dir / "tokenizer.json", limit_files)
+    schedule = demo_training.Schedule(
+        steps=steps, batch=batch, seq_len=seq_len, lr=lr, warmup=warmup, seed=seed
+    )
+    weights = DSPARK_WEIGHTS if dspark else DFLASH_WEIGHTS
+    summary = demo_training.train_drafter(
+        stream, target, config, weights, schedule, folder=out, progress=progress
+    )
+    click.echo(
+        f"{kind} drafter: {summary['trainable_parameters']:,} trained parameters, {steps} steps in "
+        f"{summary['wall_seconds']}s, loss {summary['first_losses']['total']:.3f} -> "
+        f"{summary['final_losses_ema']['total']:.3f} -> {out}"
+    )
+
+
+@train.command("evaluate")
+@click.option("--target", "target_dir", type=_EXISTING, required=True, help="Target checkpoint folder.")
+@click.option("--dspark", "dspark_dir", type=_EXISTING, required=True, help="DSpark drafter folder.")
+@click.option("--dflash", "dflash_dir", type=_EXISTING, required=True, help="DFlash drafter folder.")
+@click.option("--out", type=_PATH, required=True, help="Folder for eval.json and acceptance.png.")
+@click.option("--per-module", default=2, show_default=True, help="Prompts per held-out module.")
+@click.option("--prompt-len", default=64, show_default=True)
+@click.option("--new-tokens", default=64, show_default=True)
+@click.option("--seed", default=0, show_default=True)
+def evaluate_command(
+    target_dir: Path, dspark_dir: Path, dflash_dir: Path, out: Path, per_module: int, prompt_len: int,
+    new_tokens: int, seed: int,
+) -> None:
+    """Accepted length, conditional acceptance, confidence AUC/ECE on the held-out modules."""
+    from tokenizers import Tokenizer
+
+    from dspark.models import DSparkDrafter
+
+    from . import demo_eval
+
+    tokenizer = Tokenizer.from_file(str(target_dir / "tokenizer.json"))
+    streams = [torch.tensor(tokenizer.encode(text).ids) for text in
+               corpus.read_documents(corpus.corpus_files("heldout"))]
+    prompts = demo_eval.heldout_prompts(streams, per_module, prompt_len)
+    drafters = {name: DrafterConfig.from_folder(folder) for name, folder in
+                (("dspark", dspark_dir), ("dflash", dflash_dir))}
+    layer_ids = drafters["dspark"].target_layer_ids
+    if drafters["dflash"].target_layer_ids != layer_ids:
+        raise click.UsageError("the two drafters must read the same target layers to share one target")
+    target = TargetModel.from_pretrained(target_dir, layer_ids)
+    results: dict = {"prompts": len(prompts), "prompt_len": prompt_len, "new_tokens": new_tokens,
+                     "heldout_modules": list(corpus.HELD_OUT_MODULES),
+                     "decoder": "dspark.runtime.reference_decoder",
+                     "torch_threads": torch.get_num_threads(), "runs": {}, "autoregressive": {}}
+    for temperature in (0.0, 1.0):
+        tag = "greedy" if temperature == 0 else "t1"
+        for name, folder in (("dspark", dspark_dir), ("dflash", dflash_dir)):
+            drafter = DSparkDrafter.from_pretrained(folder, target=target)
+            run = demo_eval.evaluate_drafter(target, drafter, prompts, temperature=temperature,
+                                             new_tokens=new_tokens, seed=seed)
+            results["runs"][f"{name}_{tag}"] = run
+            click.echo(f"{name} {tag}: mean accepted length {run['mean_acceptance_length']:.3f} "
+                       f"({run['rounds']} rounds, {run['tokens_per_second']} tok/s)")
+        results["autoregressive"][tag] = demo_eval.evaluate_autoregressive(
+            target, prompts, temperature=temperature, new_tokens=new_tokens, seed=seed)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "eval.json").write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
+    demo_eval.plot(results, out / "acceptance.png")
+    click.echo(f"wrote {out / 'eval.json'} and {out / 'acceptance.png'}")
