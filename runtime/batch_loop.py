@@ -130,6 +130,13 @@ class Engine:
         # committed positions never exceed prompt + max_new + one block of overshoot
         return prompt_len + max_new_tokens + self.info.block_size + 1
 
+    def tokens_so_far(self, request_id: int) -> list[int]:
+        """Committed tokens of a request (finished, active, or [] while queued)."""
+        if request_id in self.finished:
+            return self.finished[request_id].tokens
+        active = next((a for a in self.active if a.result.request_id == request_id), None)
+        return [] if active is None else active.result.tokens[: active.max_new_tokens]
+
     @property
     def idle(self) -> bool:
         return not self.queue and not self.active

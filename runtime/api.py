@@ -1,0 +1,116 @@
+"""The public runtime API: `Runtime.load(dir)`, `generate(...)`, `stream(...)`.
+
+    rt = Runtime.load("out/export")                      # ONNX Runtime on a dspark-export dir
+    rt = Runtime.from_checkpoints("target/", "drafter/")  # PyTorch reference backend
+    results = rt.generate([[1, 2, 3], [4, 5]], max_new_tokens=64, temperature=0.0, seed=0)
+    for tokens in rt.stream([1, 2, 3], max_new_tokens=64): ...
+
+The SPS cost model is profiled at load (a few dozen real decode steps) unless one is given.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dspark.models import load_pair
+
+from .backend import Backend
+from .batch_loop import Engine
+from .cost_model import StepCostModel
+from .kv_cache import Capacity
+from .model_info import ModelInfo
+from .monitor import Monitor
+from .ort_backend import OrtBackend
+from .prefix_scheduler import SchedulerConfig
+from .profiling import profile_step_cost
+from .stats import EngineStats, RequestResult
+from .torch_backend import TorchBackend
+
+Prompt = Sequence[int]
+
+
+@dataclass(frozen=True)
+class RuntimeOptions:
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    kv_mode: str = "concat"  # "static" pays off at long pasts and large batches (see the benchmark)
+    max_requests: int = 64
+    max_seq_len: int = 1024
+    max_tokens: int | None = None  # None = max_requests * max_seq_len
+    profile_requests: tuple[int, ...] = (1, 4, 16)
+
+
+class Runtime:
+    def __init__(self, backend: Backend, info: ModelInfo, options: RuntimeOptions | None = None,
+                 cost_model: StepCostModel | None = None) -> None:
+        options = options or RuntimeOptions()
+        self.backend, self.info, self.options = backend, info, options
+        if cost_model is None and options.scheduler.mode == "dspark":
+            cost_model = profile_step_cost(backend, info, kv_mode=options.kv_mode,
+                                           requests=options.profile_requests)
+        self.cost_model = cost_model
+        self.stats = EngineStats()
+
+    @classmethod
+    def load(cls, path: str | Path, options: RuntimeOptions | None = None, *,
+             threads: int = 1, cost_model: StepCostModel | None = None) -> Runtime:
+        """An export directory (export.json + ONNX graphs) on ONNX Runtime. `threads` is ORT's
+        intra-op thread count: 1 measured fastest on this shared 2-core CPU, where spinning
+        worker threads fight other processes."""
+        backend = OrtBackend(path, intra_op_threads=threads)
+        return cls(backend, ModelInfo.from_manifest(backend.manifest), options, cost_model)
+
+    @classmethod
+    def from_checkpoints(cls, target_dir: str | Path, drafter_dir: str | Path,
+                         options: RuntimeOptions | None = None, *,
+                         cost_model: StepCostModel | None = None) -> Runtime:
+        target, drafter = load_pair(target_dir, drafter_dir)
+        return cls(TorchBackend(target, drafter), ModelInfo.from_models(target, drafter), options, cost_model)
+
+    def engine(self) -> Engine:
+        o = self.options
+        capacity = Capacity(o.max_requests, o.max_tokens or o.max_requests * o.max_seq_len, o.max_seq_len)
+        return Engine(self.backend, self.info, capacity=capacity, scheduler=o.scheduler,
+                      cost_model=self.cost_model, monitor=Monitor(), kv_mode=o.kv_mode)
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        *,
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        seed: int = 0,
+        stop: Sequence[int] = (),
+    ) -> list[RequestResult]:
+        """Token-id prompts (one, or a list) -> one result per prompt, in order. Prompt i uses
+        seed + i. All prompts are validated before any is queued."""
+        batch = [list(prompts)] if prompts and isinstance(prompts[0], int) else [list(p) for p in prompts]
+        engine = self.engine()
+        ids = [engine.submit(p, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed + i,
+                             stop_token_ids=stop) for i, p in enumerate(batch)]
+        finished = engine.run_until_done()
+        self.stats = engine.stats
+        return [finished[i] for i in ids]
+
+    def stream(
+        self,
+        prompt: Prompt,
+        *,
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        seed: int = 0,
+        stop: Sequence[int] = (),
+    ) -> Iterator[list[int]]:
+        """Yield the newly committed tokens of one request after every step."""
+        engine = self.engine()
+        request = engine.submit(prompt, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
+                                stop_token_ids=stop)
+        sent = 0
+        while not engine.idle:
+            engine.step()
+            tokens = engine.tokens_so_far(request)
+            if len(tokens) > sent:
+                yield tokens[sent:]
+                sent = len(tokens)
+        self.stats = engine.stats
