@@ -10,6 +10,7 @@ from pathlib import Path
 from setuptools import setup
 
 SUBPACKAGES = ("models", "export", "engines", "runtime", "plugins", "tools")
+PLUGIN_OPS = ("tree_attention_mask", "tree_accept")
 
 setup(
     name="dspark",
@@ -19,10 +20,21 @@ setup(
     long_description_content_type="text/markdown",
     license="MIT",
     python_requires=">=3.10",
-    packages=["dspark", *(f"dspark.{name}" for name in SUBPACKAGES)],
+    packages=[
+        "dspark",
+        *(f"dspark.{name}" for name in SUBPACKAGES),
+        *(f"dspark.plugins.{op}" for op in PLUGIN_OPS),
+    ],
     package_dir={"dspark": ".", **{f"dspark.{name}": name for name in SUBPACKAGES}},
     # The bundled demo pair (models/demo/{target,dspark,dflash}) ships inside dspark.models.
-    package_data={"dspark.models": ["demo/README.md", "demo/*/*.json", "demo/*/*.safetensors"]},
+    # The plugin sources ship so that an installed dspark can build them (plugins/build.sh).
+    package_data={
+        "dspark.models": ["demo/README.md", "demo/*/*.json", "demo/*/*.safetensors"],
+        "dspark.plugins": [
+            *("*.md", "*.sh", "*.cpp", "CMakeLists.txt", "common/*"),
+            *("*/*.md", "*/*.yaml", "*/*.cu", "*/*.h", "*/*.cpp"),
+        ],
+    },
     install_requires=[
         "torch==2.13.0",
         "numpy>=1.26",
@@ -31,6 +43,7 @@ setup(
         "tqdm>=4.66",
         "onnx>=1.17",
         "onnxruntime>=1.20",
+        "onnxruntime-extensions>=0.15",
         "onnxscript>=0.2",
         "tokenizers>=0.20",
         "psutil>=5.9",

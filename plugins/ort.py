@@ -6,12 +6,18 @@ its own fixed domain, `ai.onnx.contrib`. Exported graphs keep the `dspark` domai
 contract, and what TensorRT's parser sees); `prepare_for_ort` returns a copy whose `dspark` nodes
 are moved to that domain, and `make_session` does both steps. See plugins/README.md for why a
 native C++ custom-op library is not built here.
+
+An exception raised inside a Python op would cross into ONNX Runtime and abort the process
+(std::terminate), so the ops catch it, record the message and return sentinel outputs
+(position_ids -1, accept_length 0, bonus_token -1); `DsparkSession.run` re-raises the recorded
+message as PluginInputError. Sessions built by hand from `prepare_for_ort` only get the sentinels.
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from functools import cache
 
 import numpy as np
@@ -27,6 +33,13 @@ OPSET_VERSION = 1
 PLUGIN_NAMESPACE = "dspark"
 ORT_PYOP_DOMAIN = "ai.onnx.contrib"
 OP_TYPES = ("TreeAttentionMask", "TreeAccept", "TreeAcceptSampling")
+
+_errors: list[str] = []
+_errors_lock = threading.Lock()
+
+
+class PluginInputError(ValueError):
+    """A dspark op rejected its inputs during an ONNX Runtime run."""
 
 
 def make_node(
@@ -69,6 +82,54 @@ def prepare_for_ort(model: onnx.ModelProto) -> onnx.ModelProto:
     return prepared
 
 
+def _shape2(x: np.ndarray) -> tuple[int, int]:
+    return (x.shape[0], x.shape[1]) if x.ndim == 2 else (0, 0)
+
+
+def _mask_sentinel(parents: np.ndarray, *_: np.ndarray) -> tuple[np.ndarray, ...]:
+    batch, n = _shape2(parents)
+    return (
+        np.zeros((batch, 1, n, n), dtype=bool),
+        np.full((batch, n), -1, dtype=np.int64),
+        np.zeros((batch, n, -(-n // 32)), dtype=np.int32),
+    )
+
+
+def _accept_sentinel(parents: np.ndarray, *_: np.ndarray, max_depth: int) -> tuple[np.ndarray, ...]:
+    batch, width = _shape2(parents)[0], max(int(max_depth), 0) + 1
+    path = np.full((batch, width), -1, dtype=np.int64)
+    return path, np.zeros(batch, dtype=np.int64), np.full(batch, -1, dtype=np.int64), path.copy()
+
+
+def _guarded(op_type: str, compute: Callable, sentinel: Callable) -> Callable:
+    def run(*inputs: np.ndarray, **attrs: int):
+        try:
+            return compute(*inputs, **attrs)
+        except Exception as err:  # raising into ONNX Runtime would abort the process
+            with _errors_lock:
+                _errors.append(f"{op_type}: {err}")
+            return sentinel(*inputs, **attrs)
+
+    return run
+
+
+def _accept_outputs(result: accept_ref.TreeAcceptResult) -> tuple[np.ndarray, ...]:
+    return result.accepted_path, result.accept_length, result.bonus_token, result.kv_keep
+
+
+def _greedy(parents, draft_tokens, past_lengths, target_tokens, max_depth):
+    return _accept_outputs(
+        accept_ref.tree_accept_greedy(parents, draft_tokens, past_lengths, target_tokens, max_depth)
+    )
+
+
+def _sampling(parents, draft_tokens, past_lengths, target_probs, draft_probs, uniforms, max_depth):
+    result = accept_ref.tree_accept_sampling(
+        parents, draft_tokens, past_lengths, target_probs, draft_probs, uniforms, max_depth
+    )
+    return _accept_outputs(result)
+
+
 @cache
 def register_ops() -> str:
     """Register the Python implementations once per process; returns the extensions library path."""
@@ -80,38 +141,17 @@ def register_ops() -> str:
             "pip install 'onnxruntime-extensions>=0.15'"
         ) from err
     i64, f32 = PyCustomOpDef.dt_int64, PyCustomOpDef.dt_float
-
-    @onnx_op(
-        op_type="TreeAttentionMask",
-        inputs=[i64, i64],
-        outputs=[PyCustomOpDef.dt_bool, i64, PyCustomOpDef.dt_int32],
+    mask_outputs = [PyCustomOpDef.dt_bool, i64, PyCustomOpDef.dt_int32]
+    onnx_op(op_type="TreeAttentionMask", inputs=[i64, i64], outputs=mask_outputs)(
+        _guarded("TreeAttentionMask", mask_ref.tree_attention_mask, _mask_sentinel)
     )
-    def tree_attention_mask(parents, past_lengths):
-        return mask_ref.tree_attention_mask(parents, past_lengths)
-
-    def outputs(result: accept_ref.TreeAcceptResult) -> tuple[np.ndarray, ...]:
-        return result.accepted_path, result.accept_length, result.bonus_token, result.kv_keep
-
-    @onnx_op(op_type="TreeAccept", inputs=[i64] * 4, outputs=[i64] * 4, attrs={"max_depth": i64})
-    def tree_accept(parents, draft_tokens, past_lengths, target_tokens, max_depth):
-        return outputs(
-            accept_ref.tree_accept_greedy(parents, draft_tokens, past_lengths, target_tokens, max_depth)
-        )
-
-    @onnx_op(
-        op_type="TreeAcceptSampling",
-        inputs=[i64, i64, i64, f32, f32, f32],
-        outputs=[i64] * 4,
-        attrs={"max_depth": i64},
+    onnx_op(op_type="TreeAccept", inputs=[i64] * 4, outputs=[i64] * 4, attrs={"max_depth": i64})(
+        _guarded("TreeAccept", _greedy, _accept_sentinel)
     )
-    def tree_accept_sampling(
-        parents, draft_tokens, past_lengths, target_probs, draft_probs, uniforms, max_depth
-    ):
-        result = accept_ref.tree_accept_sampling(
-            parents, draft_tokens, past_lengths, target_probs, draft_probs, uniforms, max_depth
-        )
-        return outputs(result)
-
+    sampling_inputs = [i64, i64, i64, f32, f32, f32]
+    onnx_op(
+        op_type="TreeAcceptSampling", inputs=sampling_inputs, outputs=[i64] * 4, attrs={"max_depth": i64}
+    )(_guarded("TreeAcceptSampling", _sampling, _accept_sentinel))
     return get_library_path()
 
 
@@ -122,10 +162,28 @@ def session_options(options: ort.SessionOptions | None = None) -> ort.SessionOpt
     return options
 
 
-def make_session(model: onnx.ModelProto, options: ort.SessionOptions | None = None) -> ort.InferenceSession:
-    """CPU InferenceSession for a model that may contain dspark nodes."""
-    return ort.InferenceSession(
+class DsparkSession:
+    """An ONNX Runtime session over a model with dspark nodes; run() raises what the ops rejected."""
+
+    def __init__(self, session: ort.InferenceSession) -> None:
+        self.session = session
+
+    def run(self, output_names: Sequence[str] | None, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+        with _errors_lock:
+            _errors.clear()
+        outputs = self.session.run(output_names, feeds)
+        with _errors_lock:
+            errors, _errors[:] = list(_errors), []
+        if errors:
+            raise PluginInputError("; ".join(errors))
+        return outputs
+
+
+def make_session(model: onnx.ModelProto, options: ort.SessionOptions | None = None) -> DsparkSession:
+    """CPU session for a model that may contain dspark nodes."""
+    session = ort.InferenceSession(
         prepare_for_ort(model).SerializeToString(),
         session_options(options),
         providers=["CPUExecutionProvider"],
     )
+    return DsparkSession(session)
