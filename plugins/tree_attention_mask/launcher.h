@@ -23,6 +23,11 @@ int dspark_tree_attention_mask(const int64_t* parents, const int64_t* past_lengt
                                int32_t num_nodes, uint8_t* mask, int64_t* position_ids,
                                int32_t* packed_mask, void* stream);
 
+/* The same with the mask as int32 0/1: TensorRT plugins cannot output bool tensors. */
+int dspark_tree_attention_mask_i32(const int64_t* parents, const int64_t* past_lengths,
+                                   int32_t batch, int32_t num_nodes, int32_t* mask,
+                                   int64_t* position_ids, int32_t* packed_mask, void* stream);
+
 #ifdef __cplusplus
 }
 #endif
