@@ -48,27 +48,21 @@ def test_heldout_modules_are_never_trained_on() -> None:
     assert not any(p.startswith("test/") for p in train)
 
 
-def test_target_training_lowers_loss() -> None:
+def test_target_training_lowers_loss(tmp_path: Path) -> None:
     stream = torch.arange(2000) % 17  # a periodic corpus: learnable in a few steps
     config = target_config_dict(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                 num_attention_heads=4, num_key_value_heads=2, head_dim=8, eos_token_id=0)
     schedule = Schedule(steps=12, batch=4, seq_len=32, lr=1e-2, warmup=1)
-    folder = Path(os.environ.get("TMPDIR", "/tmp")) / f"dspark-test-target-{os.getpid()}"
-    tok = folder.parent / f"dspark-test-tok-{os.getpid()}.json"
-    tok.write_text("{}")
-    try:
-        train_target(stream, config, schedule, folder=folder, tokenizer_file=tok, progress=False)
-        model = TargetModel.from_pretrained(folder)
-        ids = stream[:33][None]
-        with torch.no_grad():
-            logits = model(ids[:, :-1], torch.arange(32)[None]).logits
-        loss = F.cross_entropy(logits[0], ids[0, 1:])
-        assert loss < math.log(32) - 1.0  # the freshly initialised model scores about log(V)
-    finally:
-        for path in sorted(folder.glob("*")):
-            path.unlink()
-        folder.rmdir()
-        tok.unlink()
+    tokenizer_file = tmp_path / "tokenizer.json"
+    tokenizer_file.write_text("{}")
+    train_target(stream, config, schedule, folder=tmp_path / "target", tokenizer_file=tokenizer_file,
+                 progress=False)
+    model = TargetModel.from_pretrained(tmp_path / "target")
+    ids = stream[:33][None]
+    with torch.no_grad():
+        logits = model(ids[:, :-1], torch.arange(32)[None]).logits
+    loss = F.cross_entropy(logits[0], ids[0, 1:])
+    assert loss < math.log(32) - 1.0  # the freshly initialised model scores about log(V)
 
 
 def test_target_folder_is_a_transformers_qwen3_checkpoint(tiny_target: Path) -> None:

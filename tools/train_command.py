@@ -7,7 +7,8 @@
     dspark train evaluate --target models/demo/target --dspark models/demo/dspark \
         --dflash models/demo/dflash --out build/demo/eval
 
-The defaults are the settings the bundled checkpoints were trained with.
+The defaults are the settings the bundled checkpoints were trained with (see
+models/demo/README.md). On a shared CPU, OMP_NUM_THREADS=1 avoids thread oversubscription.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ def tokenizer_command(out: Path, vocab_size: int, limit_files: int | None) -> No
 @click.option("--layers", default=4, show_default=True)
 @click.option("--heads", default=4, show_default=True)
 @click.option("--kv-heads", default=2, show_default=True)
-@click.option("--steps", default=300, show_default=True)
+@click.option("--steps", default=600, show_default=True)
 @click.option("--batch", default=8, show_default=True)
 @click.option("--seq-len", default=256, show_default=True)
 @click.option("--lr", default=3e-3, show_default=True)
@@ -112,7 +113,7 @@ def target_command(
 @click.option("--target-layer-ids", default=None, help="Comma-separated; default: every non-final layer.")
 @click.option("--markov-rank", default=32, show_default=True, help="Ignored for --kind dflash.")
 @click.option("--num-anchors", default=16, show_default=True)
-@click.option("--steps", default=300, show_default=True)
+@click.option("--steps", default=400, show_default=True)
 @click.option("--batch", default=8, show_default=True)
 @click.option("--seq-len", default=256, show_default=True)
 @click.option("--lr", default=3e-3, show_default=True)
@@ -166,7 +167,7 @@ def drafter_command(
 @click.option("--dspark", "dspark_dir", type=_EXISTING, required=True, help="DSpark drafter folder.")
 @click.option("--dflash", "dflash_dir", type=_EXISTING, required=True, help="DFlash drafter folder.")
 @click.option("--out", type=_PATH, required=True, help="Folder for eval.json and acceptance.png.")
-@click.option("--per-module", default=2, show_default=True, help="Prompts per held-out module.")
+@click.option("--per-module", default=4, show_default=True, help="Prompts per held-out module.")
 @click.option("--prompt-len", default=64, show_default=True)
 @click.option("--new-tokens", default=64, show_default=True)
 @click.option("--seed", default=0, show_default=True)
