@@ -108,6 +108,9 @@ def target_command(
 @click.option("--out", type=_PATH, required=True, help="DeepSpec drafter folder to write.")
 @click.option("--kind", type=click.Choice(["dspark", "dflash"]), default="dspark", show_default=True,
               help="dspark: Markov head + confidence head, paper loss; dflash: neither, CE only.")
+@click.option("--objective", type=click.Choice(["paper", "ce"]), default=None,
+              help="paper: 0.1·CE + 0.9·TV (+ confidence BCE); ce: CE only, DeepSpec's DFlash setting. "
+                   "Default: paper for dspark, ce for dflash.")
 @click.option("--block-size", default=7, show_default=True)
 @click.option("--draft-layers", default=1, show_default=True)
 @click.option("--target-layer-ids", default=None, help="Comma-separated; default: every non-final layer.")
@@ -122,9 +125,9 @@ def target_command(
 @click.option("--limit-files", type=int, default=None, help="Use only the first N training files (tests).")
 @click.option("--progress/--no-progress", default=True)
 def drafter_command(
-    target_dir: Path, out: Path, kind: str, block_size: int, draft_layers: int, target_layer_ids: str | None,
-    markov_rank: int, num_anchors: int, steps: int, batch: int, seq_len: int, lr: float, warmup: int,
-    seed: int, limit_files: int | None, progress: bool,
+    target_dir: Path, out: Path, kind: str, objective: str | None, block_size: int, draft_layers: int,
+    target_layer_ids: str | None, markov_rank: int, num_anchors: int, steps: int, batch: int, seq_len: int,
+    lr: float, warmup: int, seed: int, limit_files: int | None, progress: bool,
 ) -> None:
     """A DSpark (or DFlash baseline) drafter trained against the frozen target."""
     target_json = json.loads((target_dir / "config.json").read_text(encoding="utf-8"))
@@ -151,7 +154,8 @@ def drafter_command(
     schedule = demo_training.Schedule(
         steps=steps, batch=batch, seq_len=seq_len, lr=lr, warmup=warmup, seed=seed
     )
-    weights = DSPARK_WEIGHTS if dspark else DFLASH_WEIGHTS
+    objective = objective or ("paper" if dspark else "ce")
+    weights = DSPARK_WEIGHTS if objective == "paper" else DFLASH_WEIGHTS
     summary = demo_training.train_drafter(
         stream, target, config, weights, schedule, folder=out, progress=progress
     )
