@@ -98,6 +98,8 @@ def _decoder_fields(data: dict[str, Any], source: str) -> dict[str, Any]:
     act = data.get("hidden_act", "silu")
     if act != "silu":
         raise CheckpointError(f"{source}: hidden_act '{act}' is not supported (only 'silu')")
+    if data.get("mlp_bias"):
+        raise CheckpointError(f"{source}: mlp_bias is not supported")
     if data.get("use_sliding_window"):
         raise CheckpointError(f"{source}: sliding-window attention is not supported")
     heads = _require(data, "num_attention_heads", source)

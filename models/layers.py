@@ -67,7 +67,7 @@ class AttentionProjections(nn.Module):
         self.q_proj = nn.Linear(config.hidden_size, self.num_heads * hd, bias=bias)
         self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * hd, bias=bias)
         self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * hd, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * hd, config.hidden_size, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * hd, config.hidden_size, bias=bias)
         self.q_norm = RMSNorm(hd, config.rms_norm_eps) if config.qk_norm else nn.Identity()
         self.k_norm = RMSNorm(hd, config.rms_norm_eps) if config.qk_norm else nn.Identity()
 

@@ -153,7 +153,7 @@ def speculative_generate(
     cfg = target.config
     validate_request(prompt_ids, vocab_size=cfg.vocab_size, max_positions=cfg.max_position_embeddings,
                      max_new_tokens=max_new_tokens, temperature=temperature)
-    gamma = block_size or drafter.config.block_size
+    gamma = drafter.config.block_size if block_size is None else block_size
     if gamma < 1:
         raise RequestError(f"block_size must be >= 1, got {gamma}")
     if not 0.0 <= confidence_threshold < 1.0:
