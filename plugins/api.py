@@ -56,9 +56,7 @@ def compose_full_mask(tree_mask: Array, past_lengths: Array, past_capacity: int)
 
 
 def _convert(result: _accept.TreeAcceptResult, reference: Any) -> _accept.TreeAcceptResult:
-    return _accept.TreeAcceptResult(
-        **{f.name: _like(getattr(result, f.name), reference) for f in fields(result)}
-    )
+    return _accept.TreeAcceptResult(**{f.name: _like(getattr(result, f.name), reference) for f in fields(result)})
 
 
 def tree_accept_greedy(

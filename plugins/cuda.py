@@ -25,6 +25,7 @@ _H2D, _D2H = 1, 2  # cudaMemcpyHostToDevice, cudaMemcpyDeviceToHost
 _p, _i32, _sz = ctypes.c_void_p, ctypes.c_int32, ctypes.c_size_t
 _SIGNATURES = {
     "dspark_tree_attention_mask": [_p, _p, _i32, _i32, _p, _p, _p, _p],
+    "dspark_tree_attention_mask_i32": [_p, _p, _i32, _i32, _p, _p, _p, _p],
     "dspark_tree_accept_greedy": [_p, _p, _p, _p, _i32, _i32, _i32, _p, _p, _p, _p, _p],
     "dspark_tree_accept_sampling_workspace_size": [_i32, _i32],
     "dspark_tree_accept_sampling": [_p, _p, _p, _p, _p, _p, _i32, _i32, _i32, _i32, _p, _p, _p, _p, _p, _p],
@@ -73,9 +74,7 @@ def cudart() -> ctypes.CDLL:
         except OSError:
             continue
     else:
-        raise CudaUnavailableError(
-            "libcudart.so not found (no CUDA toolkit under CUDA_HOME or /usr/local/cuda)"
-        )
+        raise CudaUnavailableError("libcudart.so not found (no CUDA toolkit under CUDA_HOME or /usr/local/cuda)")
     lib.cudaMalloc.argtypes = [ctypes.POINTER(_p), _sz]
     lib.cudaFree.argtypes = [_p]
     lib.cudaMemcpy.argtypes = [_p, _p, _sz, ctypes.c_int]
@@ -89,9 +88,7 @@ def cudart() -> ctypes.CDLL:
 
 def _check(status: int, what: str) -> None:
     if status != 0:
-        raise RuntimeError(
-            f"{what} failed: CUDA error {status} ({cudart().cudaGetErrorString(status).decode()})"
-        )
+        raise RuntimeError(f"{what} failed: CUDA error {status} ({cudart().cudaGetErrorString(status).decode()})")
 
 
 class _Device:
@@ -110,9 +107,7 @@ class _Device:
     def alloc(self, nbytes: int) -> ctypes.c_void_p:
         ptr = ctypes.c_void_p()
         _check(cudart().cudaMalloc(ctypes.byref(ptr), max(nbytes, 1)), "cudaMalloc")
-        _check(
-            cudart().cudaMemset(ptr, 0x7F, max(nbytes, 1)), "cudaMemset"
-        )  # poison: outputs must be written
+        _check(cudart().cudaMemset(ptr, 0x7F, max(nbytes, 1)), "cudaMemset")  # poison: outputs must be written
         self.buffers.append(ptr)
         return ptr
 
@@ -129,34 +124,35 @@ class _Device:
         return out
 
 
-def run_tree_attention_mask(parents: np.ndarray, past_lengths: np.ndarray) -> tuple[np.ndarray, ...]:
-    """parents [batch, N], past_lengths [batch] -> (mask [batch,1,N,N] bool, position_ids, packed_mask)."""
+def run_tree_attention_mask(
+    parents: np.ndarray, past_lengths: np.ndarray, *, int32_mask: bool = False
+) -> tuple[np.ndarray, ...]:
+    """parents [batch, N], past_lengths [batch] -> (mask [batch,1,N,N] bool, position_ids, packed_mask).
+
+    int32_mask runs the launcher the TensorRT plugin uses (mask written as int32 0/1).
+    """
     batch, n = parents.shape
     words = -(-n // 32)
     lib = plugin_library()
+    launch = lib.dspark_tree_attention_mask_i32 if int32_mask else lib.dspark_tree_attention_mask
+    mask_type = np.int32 if int32_mask else np.uint8
     with _Device() as dev:
-        mask, pos, packed = (
-            dev.alloc(batch * n * n),
-            dev.alloc(batch * n * 8),
-            dev.alloc(batch * n * words * 4),
-        )
-        status = lib.dspark_tree_attention_mask(
-            dev.put(parents.astype(np.int64)),
-            dev.put(past_lengths.astype(np.int64)),
-            batch,
-            n,
-            mask,
-            pos,
-            packed,
-            None,
-        )
-        _check(status, "dspark_tree_attention_mask")
+        mask = dev.alloc(batch * n * n * np.dtype(mask_type).itemsize)
+        pos, packed = dev.alloc(batch * n * 8), dev.alloc(batch * n * words * 4)
+        ins = [dev.put(parents.astype(np.int64)), dev.put(past_lengths.astype(np.int64))]
+        _check(launch(*ins, batch, n, mask, pos, packed, None), "dspark_tree_attention_mask")
         _check(cudart().cudaDeviceSynchronize(), "dspark_tree_attention_mask kernel")
         return (
-            dev.get(mask, (batch, 1, n, n), np.uint8).astype(bool),
+            _as_bool(dev.get(mask, (batch, 1, n, n), mask_type)),
             dev.get(pos, (batch, n), np.int64),
             dev.get(packed, (batch, n, words), np.int32),
         )
+
+
+def _as_bool(mask: np.ndarray) -> np.ndarray:
+    if not np.isin(mask, (0, 1)).all():
+        raise RuntimeError("the mask kernel wrote values other than 0 and 1")
+    return mask.astype(bool)
 
 
 def _accept_outputs(dev: _Device, batch: int, max_depth: int) -> list[ctypes.c_void_p]:
@@ -191,9 +187,7 @@ def run_tree_accept_greedy(
     with _Device() as dev:
         ins = [dev.put(a.astype(np.int64)) for a in (parents, draft_tokens, past_lengths, target_tokens)]
         outs = _accept_outputs(dev, batch, max_depth)
-        _check(
-            lib.dspark_tree_accept_greedy(*ins, batch, n, max_depth, *outs, None), "dspark_tree_accept_greedy"
-        )
+        _check(lib.dspark_tree_accept_greedy(*ins, batch, n, max_depth, *outs, None), "dspark_tree_accept_greedy")
         _check(cudart().cudaDeviceSynchronize(), "dspark_tree_accept_greedy kernel")
         return _accept_result(dev, outs, batch, max_depth)
 
@@ -214,9 +208,7 @@ def run_tree_accept_sampling(
         floats = [dev.put(a.astype(np.float32)) for a in (target_probs, draft_probs, uniforms)]
         workspace = dev.alloc(lib.dspark_tree_accept_sampling_workspace_size(batch, vocab))
         outs = _accept_outputs(dev, batch, max_depth)
-        status = lib.dspark_tree_accept_sampling(
-            *ints, *floats, batch, n, vocab, max_depth, workspace, *outs, None
-        )
+        status = lib.dspark_tree_accept_sampling(*ints, *floats, batch, n, vocab, max_depth, workspace, *outs, None)
         _check(status, "dspark_tree_accept_sampling")
         _check(cudart().cudaDeviceSynchronize(), "dspark_tree_accept_sampling kernel")
         return _accept_result(dev, outs, batch, max_depth)

@@ -42,9 +42,7 @@ class PluginInputError(ValueError):
     """A dspark op rejected its inputs during an ONNX Runtime run."""
 
 
-def make_node(
-    op_type: str, inputs: Sequence[str], outputs: Sequence[str], name: str, **attrs: int
-) -> onnx.NodeProto:
+def make_node(op_type: str, inputs: Sequence[str], outputs: Sequence[str], name: str, **attrs: int) -> onnx.NodeProto:
     """A `dspark` node; `plugin_namespace` tells TensorRT's ONNX parser which plugin namespace to search."""
     if op_type not in OP_TYPES:
         raise ValueError(f"unknown dspark op type {op_type!r}; expected one of {OP_TYPES}")
@@ -118,9 +116,7 @@ def _accept_outputs(result: accept_ref.TreeAcceptResult) -> tuple[np.ndarray, ..
 
 
 def _greedy(parents, draft_tokens, past_lengths, target_tokens, max_depth):
-    return _accept_outputs(
-        accept_ref.tree_accept_greedy(parents, draft_tokens, past_lengths, target_tokens, max_depth)
-    )
+    return _accept_outputs(accept_ref.tree_accept_greedy(parents, draft_tokens, past_lengths, target_tokens, max_depth))
 
 
 def _sampling(parents, draft_tokens, past_lengths, target_probs, draft_probs, uniforms, max_depth):
@@ -149,9 +145,9 @@ def register_ops() -> str:
         _guarded("TreeAccept", _greedy, _accept_sentinel)
     )
     sampling_inputs = [i64, i64, i64, f32, f32, f32]
-    onnx_op(
-        op_type="TreeAcceptSampling", inputs=sampling_inputs, outputs=[i64] * 4, attrs={"max_depth": i64}
-    )(_guarded("TreeAcceptSampling", _sampling, _accept_sentinel))
+    onnx_op(op_type="TreeAcceptSampling", inputs=sampling_inputs, outputs=[i64] * 4, attrs={"max_depth": i64})(
+        _guarded("TreeAcceptSampling", _sampling, _accept_sentinel)
+    )
     return get_library_path()
 
 

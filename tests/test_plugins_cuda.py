@@ -22,9 +22,7 @@ CUDA_INVALID_VALUE = 1
 
 
 def find_nvcc() -> str | None:
-    return shutil.which("nvcc") or next(
-        (p for p in ["/usr/local/cuda/bin/nvcc"] if os.access(p, os.X_OK)), None
-    )
+    return shutil.which("nvcc") or next((p for p in ["/usr/local/cuda/bin/nvcc"] if os.access(p, os.X_OK)), None)
 
 
 def build(out_dir: Path) -> tuple[subprocess.CompletedProcess, float]:
@@ -36,9 +34,7 @@ def build(out_dir: Path) -> tuple[subprocess.CompletedProcess, float]:
 
 def test_build_script_compiles_the_cuda_kernels(tmp_path):
     if find_nvcc() is None:
-        pytest.skip(
-            "nvcc not found (no CUDA toolkit on PATH or in /usr/local/cuda): cannot compile the kernels"
-        )
+        pytest.skip("nvcc not found (no CUDA toolkit on PATH or in /usr/local/cuda): cannot compile the kernels")
     proc, seconds = build(tmp_path)
     print(f"plugins/build.sh took {seconds:.1f} s\n{proc.stdout[-2000:]}")
     assert proc.returncode == 0, f"build failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
@@ -77,15 +73,14 @@ def assert_same_result(got, want) -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("int32_mask", [False, True])
 @pytest.mark.parametrize("n", [1, 7, 33, 100])
-def test_mask_kernel_matches_reference(gpu, n):
+def test_mask_kernel_matches_reference(gpu, n, int32_mask):
     rng = np.random.default_rng(n)
     parents, _ = random_trees(rng, batch=9, n=n)
     parents[0, 1:] = np.arange(n - 1)  # a chain: deepest rows, every bit of the last row set
     past = rng.integers(0, 1000, size=9)
-    for got, want in zip(
-        cuda.run_tree_attention_mask(parents, past), tree_attention_mask(parents, past), strict=True
-    ):
+    for got, want in zip(cuda.run_tree_attention_mask(parents, past), tree_attention_mask(parents, past), strict=True):
         np.testing.assert_array_equal(got, want)
 
 
@@ -102,9 +97,7 @@ def test_greedy_kernel_matches_reference(gpu, max_depth):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(
-    ("vocab", "process", "max_depth"), [(7, "iid", 5), (7, "deterministic", 5), (5000, "iid", 2)]
-)
+@pytest.mark.parametrize(("vocab", "process", "max_depth"), [(7, "iid", 5), (7, "deterministic", 5), (5000, "iid", 2)])
 def test_sampling_kernel_matches_reference(gpu, vocab, process, max_depth):
     rng = np.random.default_rng(vocab)
     batch, n = 64, 16

@@ -31,9 +31,7 @@ def graph_model(nodes: list[onnx.NodeProto], inputs: list[tuple[str, int, list]]
 
 def test_mask_and_greedy_accept_graph_matches_reference():
     nodes = [
-        dort.make_node(
-            "TreeAttentionMask", ["parents", "past"], ["mask", "position_ids", "packed"], name="mask"
-        ),
+        dort.make_node("TreeAttentionMask", ["parents", "past"], ["mask", "position_ids", "packed"], name="mask"),
         dort.make_node(
             "TreeAccept",
             ["parents", "tokens", "past", "targets"],
@@ -53,9 +51,7 @@ def test_mask_and_greedy_accept_graph_matches_reference():
     parents[0, 1:33] = np.arange(32)  # a chain through node 32 sets the sign bit of word 0
     parents[0, 33:] = -2
     past, targets = rng.integers(0, 50, size=5), rng.integers(3, size=(5, 40))
-    got = dort.make_session(model).run(
-        None, {"parents": parents, "tokens": tokens, "past": past, "targets": targets}
-    )
+    got = dort.make_session(model).run(None, {"parents": parents, "tokens": tokens, "past": past, "targets": targets})
 
     want_mask = tree_attention_mask(parents, past)
     for g, w in zip(got[:3], want_mask, strict=True):
@@ -63,9 +59,7 @@ def test_mask_and_greedy_accept_graph_matches_reference():
         np.testing.assert_array_equal(g, w)
     assert got[2][0, 32, 0] == -1
     want = tree_accept_greedy(parents, tokens, past, targets, max_depth=5)
-    for g, w in zip(
-        got[3:], (want.accepted_path, want.accept_length, want.bonus_token, want.kv_keep), strict=True
-    ):
+    for g, w in zip(got[3:], (want.accepted_path, want.accept_length, want.bonus_token, want.kv_keep), strict=True):
         np.testing.assert_array_equal(g, w)
 
 
@@ -93,29 +87,21 @@ def test_sampling_accept_graph_matches_reference():
     }
     got = dort.make_session(model).run(None, feeds)
     want = tree_accept_sampling(*feeds.values(), max_depth=3)
-    for g, w in zip(
-        got, (want.accepted_path, want.accept_length, want.bonus_token, want.kv_keep), strict=True
-    ):
+    for g, w in zip(got, (want.accepted_path, want.accept_length, want.bonus_token, want.kv_keep), strict=True):
         np.testing.assert_array_equal(g, w)
 
 
 def test_invalid_tree_fails_the_session_run_with_the_reference_message():
-    node = dort.make_node(
-        "TreeAttentionMask", ["parents", "past"], ["mask", "position_ids", "packed"], name="m"
-    )
+    node = dort.make_node("TreeAttentionMask", ["parents", "past"], ["mask", "position_ids", "packed"], name="m")
     inputs = [("parents", TensorProto.INT64, ["B", "N"]), ("past", TensorProto.INT64, ["B"])]
     model = graph_model([node], inputs, [("mask", TensorProto.BOOL), ("position_ids", TensorProto.INT64)])
     model.graph.output.append(helper.make_tensor_value_info("packed", TensorProto.INT32, None))
-    with pytest.raises(
-        dort.PluginInputError, match=r"TreeAttentionMask: parents\[0, 1\] = 2: a node.s parent must be"
-    ):
+    with pytest.raises(dort.PluginInputError, match=r"TreeAttentionMask: parents\[0, 1\] = 2: a node.s parent must be"):
         dort.make_session(model).run(None, {"parents": np.array([[-1, 2, 0]]), "past": np.array([0])})
 
 
 def test_exported_graph_keeps_the_dspark_domain_and_plain_ort_refuses_it():
-    node = dort.make_node(
-        "TreeAttentionMask", ["parents", "past"], ["mask", "position_ids", "packed"], name="m"
-    )
+    node = dort.make_node("TreeAttentionMask", ["parents", "past"], ["mask", "position_ids", "packed"], name="m")
     inputs = [("parents", TensorProto.INT64, ["B", "N"]), ("past", TensorProto.INT64, ["B"])]
     model = graph_model([node], inputs, [("mask", TensorProto.BOOL), ("position_ids", TensorProto.INT64)])
     attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
@@ -138,9 +124,7 @@ def test_rejected_accept_inputs_raise_and_leave_sentinels_for_raw_sessions():
     model = graph_model([node], inputs, ACCEPT_OUTPUTS)
     feeds = {"parents": np.array([[-1, 0]]), "tokens": np.array([[0, 1]]), "past": np.array([0])}
     feeds["targets"] = np.array([[1, 1, 1]])  # one column too many
-    with pytest.raises(
-        dort.PluginInputError, match=r"TreeAccept: target_tokens must have the shape of parents"
-    ):
+    with pytest.raises(dort.PluginInputError, match=r"TreeAccept: target_tokens must have the shape of parents"):
         dort.make_session(model).run(None, feeds)
     raw = ort.InferenceSession(
         dort.prepare_for_ort(model).SerializeToString(),

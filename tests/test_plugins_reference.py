@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import itertools
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -154,8 +157,7 @@ def test_greedy_equals_longest_matching_path_brute_force():
             matching = [
                 p
                 for p in paths
-                if len(p) <= max_depth + 1
-                and all(tokens[b, c] == targets[b, u] for u, c in itertools.pairwise(p))
+                if len(p) <= max_depth + 1 and all(tokens[b, c] == targets[b, u] for u, c in itertools.pairwise(p))
             ]
             best = max(matching, key=len)  # siblings never share a token: the longest one is unique
             assert sum(len(p) == len(best) for p in matching) == 1
@@ -175,15 +177,11 @@ def test_sampling_accepts_certain_tokens_and_draws_bonus_from_the_residual():
     target = np.array([[[0.0, 0.0, 0.5, 0.5], [0.25] * 4, [0.25] * 4]])
     draft = one_hot([0, 1, 2], 4)[None]  # deterministic children: q_c = one-hot(token c)
     # node 1 (token 1) has p = 0: rejected whatever u; node 2 (token 2) has p = 0.5: accepted iff u < 0.5
-    accept = tree_accept_sampling(
-        parents, tokens, np.array([3]), target, draft, np.array([[0.0, 0.9, 0.4]]), 2
-    )
+    accept = tree_accept_sampling(parents, tokens, np.array([3]), target, draft, np.array([[0.0, 0.9, 0.4]]), 2)
     np.testing.assert_array_equal(accept.accepted_path, [[0, 2, -1]])
     np.testing.assert_array_equal(accept.kv_keep, [[3, 5, -1]])
     assert accept.bonus_token[0] == 0  # p at node 2 is uniform, u = 0 picks token 0
-    reject = tree_accept_sampling(
-        parents, tokens, np.array([3]), target, draft, np.array([[0.0, 0.1, 0.6]]), 2
-    )
+    reject = tree_accept_sampling(parents, tokens, np.array([3]), target, draft, np.array([[0.0, 0.1, 0.6]]), 2)
     np.testing.assert_array_equal(reject.accepted_path, [[0, -1, -1]])
     assert reject.bonus_token[0] == 3  # residual: p without tokens 1 and 2 -> all mass on token 3
 
@@ -214,14 +212,10 @@ def test_child_draft_probs_per_process():
     iid = plugins.child_draft_probs(parents=parents, draft_tokens=tokens, parent_probs=q, process="iid")
     np.testing.assert_allclose(iid[0, 1:], q[0, 1:])
     np.testing.assert_array_equal(iid[0, 0], 0)
-    wor = plugins.child_draft_probs(
-        parents=parents, draft_tokens=tokens, parent_probs=q, process="without_replacement"
-    )
+    wor = plugins.child_draft_probs(parents=parents, draft_tokens=tokens, parent_probs=q, process="without_replacement")
     np.testing.assert_allclose(wor[0, 2], [0.1 / 0.7, 0.2 / 0.7, 0, 0.4 / 0.7])  # sibling 1 took token 2
     np.testing.assert_allclose(wor[0, 3], q[0, 1])  # first child of node 1
-    det = plugins.child_draft_probs(
-        parents=parents, draft_tokens=tokens, parent_probs=q, process="deterministic"
-    )
+    det = plugins.child_draft_probs(parents=parents, draft_tokens=tokens, parent_probs=q, process="deterministic")
     np.testing.assert_array_equal(det[0, 1:], one_hot([2, 1, 3], 4))
     with pytest.raises(ValueError, match="process must be one of"):
         plugins.child_draft_probs(parents=parents, draft_tokens=tokens, parent_probs=q, process="topk")
@@ -241,3 +235,19 @@ def test_api_returns_torch_for_torch_inputs():
     )
     assert isinstance(result.accepted_path, torch.Tensor)
     assert result.accepted_path.tolist() == [[0, 2, 5, -1]] and result.bonus_token.tolist() == [6]
+
+
+def test_schemas_match_the_reference_signatures():
+    import yaml
+
+    root = Path(plugins.__file__).resolve().parent
+    mask = yaml.safe_load((root / "tree_attention_mask" / "schema.yaml").read_text())
+    assert list(mask["inputs"]) == ["parents", "past_lengths"]
+    assert list(mask["outputs"]) == ["mask", "position_ids", "packed_mask"]
+    accept = {op["name"]: op for op in yaml.safe_load((root / "tree_accept" / "schema.yaml").read_text())["ops"]}
+    greedy_args = list(inspect.signature(tree_accept_greedy).parameters)
+    sampling_args = list(inspect.signature(tree_accept_sampling).parameters)
+    assert [*accept["TreeAccept"]["inputs"], *accept["TreeAccept"]["attributes"]] == greedy_args
+    assert [*accept["TreeAcceptSampling"]["inputs"], *accept["TreeAcceptSampling"]["attributes"]] == sampling_args
+    for op in accept.values():
+        assert list(op["outputs"]) == [f.name for f in dataclasses.fields(plugins.TreeAcceptResult)]

@@ -41,9 +41,7 @@ def draft_trees(rng: np.random.Generator, process: str) -> dict[str, np.ndarray]
     target[:, 0] = P0
     parent_q = Q2[tokens]
     parent_q[:, 0] = Q0
-    draft = plugins.child_draft_probs(
-        parents=parents, draft_tokens=tokens, parent_probs=parent_q, process=process
-    )
+    draft = plugins.child_draft_probs(parents=parents, draft_tokens=tokens, parent_probs=parent_q, process=process)
     return {"parents": parents, "draft_tokens": tokens, "target_probs": target, "draft_probs": draft}
 
 

@@ -29,14 +29,10 @@ class TreeAcceptResult:
     kv_keep: np.ndarray
 
 
-def _check_common(
-    parents: np.ndarray, draft_tokens: np.ndarray, past_lengths: np.ndarray, max_depth: int
-) -> None:
+def _check_common(parents: np.ndarray, draft_tokens: np.ndarray, past_lengths: np.ndarray, max_depth: int) -> None:
     validate_parents(parents)
     if draft_tokens.shape != parents.shape:
-        raise ValueError(
-            f"draft_tokens must have the shape of parents {parents.shape}, got {draft_tokens.shape}"
-        )
+        raise ValueError(f"draft_tokens must have the shape of parents {parents.shape}, got {draft_tokens.shape}")
     if past_lengths.shape != (parents.shape[0],):
         raise ValueError(f"past_lengths must have shape ({parents.shape[0]},), got {past_lengths.shape}")
     if isinstance(max_depth, bool) or not isinstance(max_depth, int | np.integer) or max_depth < 0:
@@ -47,9 +43,7 @@ def _children(parents_row: np.ndarray, node: int) -> list[int]:
     return [int(c) for c in np.flatnonzero(parents_row == node)]
 
 
-def _result(
-    paths: list[list[int]], bonus: list[int], past_lengths: np.ndarray, max_depth: int
-) -> TreeAcceptResult:
+def _result(paths: list[list[int]], bonus: list[int], past_lengths: np.ndarray, max_depth: int) -> TreeAcceptResult:
     batch = len(paths)
     accepted_path = np.full((batch, max_depth + 1), -1, dtype=np.int64)
     kv_keep = np.full((batch, max_depth + 1), -1, dtype=np.int64)
@@ -82,9 +76,7 @@ def tree_accept_greedy(
     past_lengths = np.asarray(past_lengths)
     _check_common(parents, draft_tokens, past_lengths, max_depth)
     if target_tokens.shape != parents.shape:
-        raise ValueError(
-            f"target_tokens must have the shape of parents {parents.shape}, got {target_tokens.shape}"
-        )
+        raise ValueError(f"target_tokens must have the shape of parents {parents.shape}, got {target_tokens.shape}")
     paths, bonus = [], []
     for b in range(parents.shape[0]):
         path = [0]
@@ -136,15 +128,11 @@ def tree_accept_sampling(
     the walk reached max_depth, the bonus is drawn from r with uniforms[b, 0].
     """
     parents, draft_tokens, uniforms = (np.asarray(a) for a in (parents, draft_tokens, uniforms))
-    target_probs, draft_probs, past_lengths = (
-        np.asarray(a) for a in (target_probs, draft_probs, past_lengths)
-    )
+    target_probs, draft_probs, past_lengths = (np.asarray(a) for a in (target_probs, draft_probs, past_lengths))
     _check_common(parents, draft_tokens, past_lengths, max_depth)
     batch, n = parents.shape
     if target_probs.ndim != 3 or target_probs.shape[:2] != (batch, n):
-        raise ValueError(
-            f"target_probs must have shape [batch, N, V] = ({batch}, {n}, V), got {target_probs.shape}"
-        )
+        raise ValueError(f"target_probs must have shape [batch, N, V] = ({batch}, {n}, V), got {target_probs.shape}")
     vocab = target_probs.shape[2]
     if draft_probs.shape != target_probs.shape:
         raise ValueError(

@@ -38,9 +38,7 @@ def validate_parents(parents: np.ndarray) -> None:
     bad = np.argwhere(real & (parents >= 0) & ~parent_real)
     if bad.size:
         b, i = int(bad[0, 0]), int(bad[0, 1])
-        raise ValueError(
-            f"parents[{b}, {i}] = {int(parents[b, i])} is a padding node; only real nodes have children"
-        )
+        raise ValueError(f"parents[{b}, {i}] = {int(parents[b, i])} is a padding node; only real nodes have children")
 
 
 def ancestor_matrix(parents: np.ndarray) -> np.ndarray:
@@ -84,9 +82,7 @@ def unpack_bits(packed: np.ndarray, num_nodes: int) -> np.ndarray:
     return bits.reshape(*packed.shape[:-1], -1)[..., :num_nodes].astype(bool)
 
 
-def tree_attention_mask(
-    parents: np.ndarray, past_lengths: np.ndarray
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def tree_attention_mask(parents: np.ndarray, past_lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The TreeAttentionMask operator.
 
     parents:      [batch, N] int, node 0 the root (-1), padding -2
@@ -99,9 +95,7 @@ def tree_attention_mask(
     validate_parents(parents)
     past_lengths = np.asarray(past_lengths)
     if past_lengths.shape != (parents.shape[0],):
-        raise ValueError(
-            f"past_lengths must have shape [batch] = ({parents.shape[0]},), got {past_lengths.shape}"
-        )
+        raise ValueError(f"past_lengths must have shape [batch] = ({parents.shape[0]},), got {past_lengths.shape}")
     if (past_lengths < 0).any():
         raise ValueError(f"past_lengths must be >= 0, got {past_lengths.tolist()}")
     anc = ancestor_matrix(parents)
