@@ -47,9 +47,10 @@ setup(
         "onnxscript>=0.2",
         "tokenizers>=0.20",
         "psutil>=5.9",
+        "matplotlib>=3.8",
     ],
     extras_require={
-        "dev": ["pytest>=8", "ruff>=0.6", "transformers>=4.51", "scipy>=1.11", "matplotlib>=3.8"],
+        "dev": ["pytest>=8", "ruff>=0.6", "transformers>=4.51", "scipy>=1.11", "pyyaml>=6"],
         "tensorrt": ["tensorrt>=10", "polygraphy>=0.49", "nvidia-ml-py>=12"],
         "serve": ["uvicorn>=0.30", "starlette>=0.38", "prometheus-client>=0.20"],
     },

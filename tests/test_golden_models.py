@@ -10,7 +10,7 @@ from conftest import GOLDEN_DRAFTERS, golden_path
 from safetensors.torch import load_file, save_file
 
 from dspark.models import CheckpointError, DSparkDrafter, TargetModel, load_pair
-from dspark.runtime.proposer import propose_block
+from dspark.tools.golden_report import single_forward_tensors
 
 TOL = dict(atol=1e-4, rtol=1e-4)
 
@@ -45,38 +45,20 @@ def test_target_forward(golden):
     _close("target_hidden_states", torch.stack(hidden), g["target_hidden_states_all"][:layers])
 
 
-@torch.no_grad()
 def test_draft_block(golden):
     target, drafter, g = golden
-    ids = g["prompt_ids"]
-    n = ids.shape[1]
     gamma = drafter.config.block_size
-    features = target(ids, torch.arange(n)[None]).context_features
-    anchor = g["draft_anchor_token"].reshape(1)
-    block_ids = torch.cat((anchor[:, None], torch.full((1, gamma - 1), drafter.config.mask_token_id)), 1)
-    assert torch.equal(block_ids, g["draft_input_ids"])
-    _close("drafter_context_projected", drafter.project_context(features), g["drafter_context_projected"])
-    out = drafter.forward_backbone(
-        block_ids=block_ids,
-        block_position_ids=g["draft_position_ids"][:, n:],
-        context_features=features,
-        context_position_ids=g["draft_position_ids"][:, :n],
-    )
-    _close("draft_block_hidden", out.hidden, g["draft_block_hidden"])
-    _close("draft_base_logits", drafter.base_logits(out.hidden), g["draft_base_logits"])
-    for layer, (k, v) in enumerate(out.present_context):
-        _close("draft_cache_k", k, g[f"draft_cache_k_layer{layer}"])
-        _close("draft_cache_v", v, g[f"draft_cache_v_layer{layer}"])
-
-    block = propose_block(drafter, out.hidden, anchor, temperature=0.0)
-    assert torch.equal(block.tokens, g["draft_tokens"])
-    _close("draft_corrected_logits", block.logits, g["draft_corrected_logits"])
-    if drafter.confidence_head is None:
-        assert block.confidence_logits is None and "confidence_logits" not in g
-    else:
-        prev = torch.cat((anchor[:, None], block.tokens[:, :-1]), dim=1)
+    expected_block = torch.cat((g["draft_anchor_token"].reshape(1, 1),
+                                torch.full((1, gamma - 1), drafter.config.mask_token_id)), dim=1)
+    assert torch.equal(expected_block, g["draft_input_ids"])
+    tensors = single_forward_tensors(target, drafter, g)
+    assert torch.equal(*tensors.pop("draft_tokens"))
+    assert ("confidence_logits" in tensors) == (drafter.confidence_head is not None) == ("confidence_logits" in g)
+    if drafter.confidence_head is not None:
+        prev = torch.cat((g["draft_anchor_token"].reshape(1, 1), g["draft_tokens"][:, :-1]), dim=1)
         assert torch.equal(prev, g["confidence_prev_token_ids"])
-        _close("confidence_logits", block.confidence_logits, g["confidence_logits"])
+    for name, (ours, reference) in tensors.items():
+        _close(name, ours, reference)
 
 
 def test_drafter_shares_embeddings_when_checkpoint_omits_them(tmp_path):
