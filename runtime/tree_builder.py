@@ -1,0 +1,244 @@
+"""The tree builder: drafter block -> a best-first draft tree under a node budget.
+
+The block is [anchor, masks...]; backbone slot d gives the distribution of depth-d+1 tokens.
+A tree node at depth d (the root, the anchor, has depth 0) gets its children from slot d:
+
+- `markov` mode: the sequential head runs once per expanded node, with `prev_ids` = the node's
+  own token and the head state of the node's root-to-node path, so siblings get different
+  child distributions (each child is conditioned on its actual parent);
+- `marginals` mode: every node at depth d uses the same per-position distribution, the logits
+  of slot d along the drafter's greedy chain (what a tree over plain per-position marginals,
+  DDTree-style, sees); it is the comparison point for `markov`.
+
+Best-first search (a heap over prefixes) adds, one at a time, the prefix with the highest score
+= product of the (optionally temperature-calibrated) draft probabilities along its path. Each
+node's children are tried in descending probability, so the k-th child is only pushed once the
+(k-1)-th is in the tree: the first N nodes popped are exactly the N best prefixes, in
+non-increasing score order, parents before children. Any prefix of the node list is therefore
+itself a valid tree, which is what the node-budget scheduler truncates.
+
+The tree does not depend on any random draw, so for temperature sampling its children follow the
+"deterministic" draft process of TreeAcceptSampling (one-hot draft rows).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from dspark.models import DSparkDrafter
+
+TreeMode = Literal["markov", "marginals"]
+TREE_MODES: tuple[str, ...] = ("markov", "marginals")
+
+
+class TreeConfigError(ValueError):
+    """A tree-building parameter that cannot be used as given."""
+
+
+@dataclass
+class DraftTree:
+    """One request's draft tree; N = draft nodes, node 0 is the root (the anchor).
+
+    Nodes are in best-first order: scores are non-increasing and parents come before children.
+    """
+
+    parents: list[int]  # [N+1] parent node index; root -1
+    tokens: list[int]  # [N+1] token of each node; node 0 holds the anchor
+    depths: list[int]  # [N+1] root 0
+    scores: list[float]  # [N+1] path product of draft probabilities (root 1.0)
+
+    @property
+    def num_nodes(self) -> int:
+        """Draft nodes, root excluded."""
+        return len(self.parents) - 1
+
+    @property
+    def max_depth(self) -> int:
+        return max(self.depths)
+
+    def truncate(self, num_nodes: int) -> DraftTree:
+        """The first `num_nodes` draft nodes (a valid tree: parents precede children)."""
+        keep = num_nodes + 1
+        return DraftTree(self.parents[:keep], self.tokens[:keep], self.depths[:keep], self.scores[:keep])
+
+    def parents_tensor(self) -> torch.Tensor:
+        """[1, N+1] int64, the plugins' layout."""
+        return torch.tensor([self.parents], dtype=torch.int64)
+
+    def tokens_tensor(self) -> torch.Tensor:
+        """[1, N+1] int64."""
+        return torch.tensor([self.tokens], dtype=torch.int64)
+
+
+@dataclass
+class _Expansion:
+    """A node's children: candidate tokens in descending probability with their probabilities."""
+
+    order: list[int]  # candidate child tokens, most probable first
+    probs: list[float]  # their draft probabilities (calibrated)
+    state: torch.Tensor | None  # [1, r] head state the node's children continue with
+
+
+class _Expander:
+    """Child distributions of tree nodes for one request's block."""
+
+    def __init__(
+        self,
+        drafter: DSparkDrafter,
+        hidden: torch.Tensor,  # [γ, H] backbone output of one request
+        anchor: int,
+        mode: TreeMode,
+        score_temperature: float,
+        top_k: int,
+    ) -> None:
+        self.drafter, self.hidden, self.mode = drafter, hidden, mode
+        self.score_temperature, self.top_k = score_temperature, top_k
+        self.base = drafter.base_logits(hidden)  # [γ, V]
+        self.initial_state = drafter.initial_head_state(hidden[:1])
+        if mode == "marginals":
+            self.chain_logits = self._greedy_chain_logits(anchor)  # [γ, V]
+
+    def _greedy_chain_logits(self, anchor: int) -> torch.Tensor:
+        state, prev, rows = self.initial_state, torch.tensor([anchor]), []
+        for d in range(self.hidden.shape[0]):
+            logits, _, state = self._step(d, prev, state)
+            rows.append(logits[0])
+            prev = logits.argmax(dim=-1)
+        return torch.stack(rows)
+
+    def _step(self, depth: int, prev: torch.Tensor, state: torch.Tensor | None):
+        return self.drafter.head_step(
+            hidden=self.hidden[depth : depth + 1], base_logits=self.base[depth : depth + 1], prev_ids=prev, state=state
+        )
+
+    def expand(self, depth: int, token: int, state: torch.Tensor | None) -> _Expansion:
+        """Children of a node at `depth` holding `token`, whose path left the head in `state`."""
+        if self.mode == "markov":
+            logits, _, next_state = self._step(depth, torch.tensor([token]), state)
+            logits = logits[0]
+        else:
+            logits, next_state = self.chain_logits[depth], None
+        probs = torch.softmax(logits.double() / self.score_temperature, dim=-1)
+        top = torch.topk(probs, min(self.top_k, probs.shape[0]))
+        return _Expansion(top.indices.tolist(), top.values.tolist(), next_state)
+
+
+@torch.no_grad()
+def build_tree(
+    drafter: DSparkDrafter,
+    hidden: torch.Tensor,  # [γ, H] backbone output of one request's block
+    anchor: int,
+    *,
+    num_nodes: int,
+    mode: TreeMode = "markov",
+    score_temperature: float = 1.0,
+    top_k: int | None = None,
+) -> DraftTree:
+    """Best-first draft tree of at most `num_nodes` draft nodes (fewer only if the block's depth and
+    `top_k` children per node cannot hold that many). `score_temperature` calibrates the draft
+    probabilities used for scoring; `top_k` bounds the children per node (default: `num_nodes`)."""
+    if mode not in TREE_MODES:
+        raise TreeConfigError(f"tree mode must be one of {TREE_MODES}, got {mode!r}")
+    if num_nodes < 0:
+        raise TreeConfigError(f"num_nodes must be >= 0, got {num_nodes}")
+    if not score_temperature > 0.0:
+        raise TreeConfigError(f"score_temperature must be > 0, got {score_temperature}")
+    if hidden.dim() != 2:
+        raise TreeConfigError(f"hidden must be one request's block [γ, H], got shape {tuple(hidden.shape)}")
+    gamma = hidden.shape[0]
+    k = max(num_nodes, 1) if top_k is None else top_k
+    if k < 1:
+        raise TreeConfigError(f"top_k must be >= 1, got {top_k}")
+    expander = _Expander(drafter, hidden, anchor, mode, score_temperature, k)
+    tree = DraftTree(parents=[-1], tokens=[anchor], depths=[0], scores=[1.0])
+    expansions = [expander.expand(0, anchor, expander.initial_state)]
+    # Heap of (-log score, tie-break counter, parent node, child rank).
+    heap: list[tuple[float, int, int, int]] = []
+    counter = 0
+
+    def push(parent: int, rank: int) -> None:
+        nonlocal counter
+        expansion = expansions[parent]
+        if rank < len(expansion.order) and expansion.probs[rank] > 0.0:
+            score = tree.scores[parent] * expansion.probs[rank]
+            heapq.heappush(heap, (-math.log(score) if score > 0 else math.inf, counter, parent, rank))
+            counter += 1
+
+    push(0, 0)
+    while heap and tree.num_nodes < num_nodes:
+        _, _, parent, rank = heapq.heappop(heap)
+        expansion = expansions[parent]
+        node = len(tree.parents)
+        tree.parents.append(parent)
+        tree.tokens.append(expansion.order[rank])
+        tree.depths.append(tree.depths[parent] + 1)
+        tree.scores.append(tree.scores[parent] * expansion.probs[rank])
+        push(parent, rank + 1)  # the next sibling becomes a candidate
+        if tree.depths[node] < gamma:
+            expansions.append(expander.expand(tree.depths[node], tree.tokens[node], expansion.state))
+            push(node, 0)
+        else:
+            expansions.append(_Expansion([], [], None))  # slot γ-1 was the block's last
+    return tree
+
+
+@dataclass(frozen=True)
+class NodeBudget:
+    """The node scheduler's decision for one step."""
+
+    nodes: tuple[int, ...]  # draft nodes admitted per request (a prefix of its best-first nodes)
+    expected_accepts: float  # τ: Σ over requests of 1 + Σ admitted survivals
+    expected_throughput: float  # Θ = τ·SPS(B), B = Σ (1 + nodes)
+    considered: int  # candidates evaluated before stopping
+
+
+def node_budgets(
+    survivals: list[list[float]],  # per request: survival of each draft node, best-first order
+    sps: Callable[[int], float],  # steps per second when verifying B tokens in one step
+    max_nodes: int | None = None,  # cap per request
+) -> NodeBudget:
+    """The prefix scheduler (DSpark Algorithm 1) generalised from chain slots to tree nodes.
+
+    A node's survival is the probability that the target accepts it (e.g. its path product of
+    calibrated draft probabilities); the expected accepted length of a tree is 1 + the sum of its
+    nodes' survivals. Candidates (r, node) are taken by descending survival (ties: request, then
+    node order), starting from B = R verified roots and τ = R, and admitted while
+    Θ = τ·SPS(B) rises; the first candidate that does not raise Θ stops the scan. Admission
+    depends only on draft-side survivals, never on the target, and since a node's survival never
+    exceeds its parent's, each request's admitted nodes form a prefix of its best-first order
+    (a valid tree). Pure: no model, no clock.
+    """
+    if max_nodes is not None and max_nodes < 0:
+        raise TreeConfigError(f"max_nodes must be >= 0, got {max_nodes}")
+    requests = len(survivals)
+    for r, row in enumerate(survivals):
+        bad = [i for i, (a, b) in enumerate(itertools.pairwise(row)) if b > a]
+        if bad:
+            raise TreeConfigError(
+                f"survivals of request {r} must be non-increasing (best-first order); node {bad[0] + 1} "
+                f"has {row[bad[0] + 1]} after {row[bad[0]]}"
+            )
+    cap = max_nodes if max_nodes is not None else max((len(row) for row in survivals), default=0)
+    candidates = sorted(
+        ((a, r, i) for r, row in enumerate(survivals) for i, a in enumerate(row[:cap]) if a > 0),
+        key=lambda c: (-c[0], c[1], c[2]),
+    )
+    nodes = [0] * requests
+    tokens, tau = requests, float(requests)
+    best = tau * sps(tokens) if requests else 0.0
+    considered = 0
+    for a, r, i in candidates:
+        considered += 1
+        theta = (tau + a) * sps(tokens + 1)
+        if theta <= best:
+            break
+        best, tau, tokens = theta, tau + a, tokens + 1
+        nodes[r] = i + 1
+    return NodeBudget(tuple(nodes), tau, best, considered)

@@ -1,0 +1,99 @@
+"""The tree verifier: one target forward over [root + draft nodes], acceptance, cache compaction.
+
+The root is the anchor (the last committed token, not yet in the target's cache); node i sits
+at cache slot past + i and position past + depth(i), and attends to the filled cache and its
+own ancestors only (`dspark.plugins.tree_attention_mask` + `compose_full_mask`). Acceptance is
+`dspark.plugins.tree_accept_greedy` at temperature 0 and `tree_accept_sampling` otherwise, with
+one-hot draft rows: the best-first tree is a deterministic function of the drafter's outputs,
+which is what makes the multi-candidate rule lossless here (plugins/tree_accept/README.md).
+Afterwards the target cache keeps the accepted path's slots, in order, and the drafter is fed
+the context features of the same tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dspark import plugins
+from dspark.models import KVCache, TargetModel, TargetOutput
+from dspark.plugins import child_draft_probs
+
+from .sampling import probabilities
+from .tree_builder import DraftTree
+
+
+@dataclass(frozen=True)
+class TreeVerdict:
+    path: list[int]  # accepted node indices, root (0) first
+    tokens: list[int]  # accepted draft tokens then the bonus (acceptance length = len(tokens))
+    bonus: int
+
+    @property
+    def accepted(self) -> int:
+        """Accepted draft nodes a (acceptance length a + 1)."""
+        return len(self.path) - 1
+
+
+def tree_inputs(tree: DraftTree, past_length: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> input_ids [1, N+1], position_ids [1, N+1] (past + depth), mask [1, 1, N+1, past+N+1]."""
+    parents = tree.parents_tensor()
+    past = torch.tensor([past_length])
+    tree_mask = plugins.tree_attention_mask(parents, past)
+    full = plugins.compose_full_mask(tree_mask.mask, past, past_length)
+    return tree.tokens_tensor(), tree_mask.position_ids, full
+
+
+@torch.no_grad()
+def run_tree(target: TargetModel, tree: DraftTree, cache: KVCache, past_length: int) -> TargetOutput:
+    """The verification forward; `cache` holds exactly `past_length` positions."""
+    input_ids, position_ids, mask = tree_inputs(tree, past_length)
+    return target(input_ids, position_ids, attention_mask=mask, past_key_values=cache)
+
+
+def accept_tree(
+    tree: DraftTree,
+    target_logits: torch.Tensor,  # [N+1, V] target rows at [root, nodes]
+    *,
+    temperature: float,
+    generator: torch.Generator | None = None,
+    max_depth: int | None = None,
+) -> TreeVerdict:
+    """Greedy walk (temperature 0) or lossless multi-candidate rejection sampling."""
+    parents, tokens = tree.parents_tensor(), tree.tokens_tensor()
+    past = torch.zeros(1, dtype=torch.int64)  # slots are not needed here: compaction uses the path
+    depth = tree.max_depth if max_depth is None else max_depth
+    if temperature == 0.0:
+        result = plugins.tree_accept_greedy(
+            parents=parents, draft_tokens=tokens, past_lengths=past,
+            target_tokens=target_logits.argmax(dim=-1)[None], max_depth=depth,
+        )
+    else:
+        target_probs = probabilities(target_logits, temperature)[None].double()  # [1, N+1, V]
+        draft_probs = child_draft_probs(
+            parents=parents, draft_tokens=tokens, parent_probs=target_probs, process="deterministic"
+        )
+        uniforms = torch.rand(1, tree.num_nodes + 1, generator=generator, dtype=torch.float64)
+        result = plugins.tree_accept_sampling(
+            parents=parents, draft_tokens=tokens, past_lengths=past, target_probs=target_probs,
+            draft_probs=draft_probs, uniforms=uniforms, max_depth=depth,
+        )
+    length = int(result.accept_length[0])
+    path = result.accepted_path[0, :length].tolist()
+    bonus = int(result.bonus_token[0])
+    return TreeVerdict(path=path, tokens=[tree.tokens[i] for i in path[1:]] + [bonus], bonus=bonus)
+
+
+def compact_kv_cache(cache: KVCache, past_length: int, path: list[int]) -> KVCache:
+    """Keep the first `past_length` slots, then the tree slots past_length + path[i], in order.
+
+    cache: per layer [B, kvh, past + N + 1, hd] (after the tree forward) -> [B, kvh, past + len(path), hd]
+    """
+    keep = torch.cat((torch.arange(past_length), past_length + torch.tensor(path, dtype=torch.int64)))
+    return [(k.index_select(2, keep.to(k.device)), v.index_select(2, keep.to(v.device))) for k, v in cache]
+
+
+def path_features(context_features: torch.Tensor, path: list[int]) -> torch.Tensor:
+    """[1, N+1, F] features of the tree forward -> [1, len(path), F] of the accepted path, in order."""
+    return context_features[:, torch.tensor(path, dtype=torch.int64)]
