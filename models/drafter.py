@@ -18,8 +18,8 @@ from torch import nn
 from .checkpoint import load_weights, read_tensors
 from .config import CheckpointError, DrafterConfig, TargetConfig, check_drafter_fits_target
 from .heads import MARKOV_HEADS, ConfidenceHead
-from .layers import MLP, AttentionProjections, RMSNorm, RotaryEmbedding, attend
-from .target import KVCache, TargetModel
+from .layers import RMSNorm, RotaryEmbedding, attend
+from .target import DecoderLayer, KVCache, TargetModel
 
 SHARED_WITH_TARGET = ("embed_tokens.weight", "lm_head.weight")
 
@@ -32,15 +32,10 @@ class BackboneOutput:
     present_context: KVCache  # per draft layer [B, kv_heads, C, hd]
 
 
-class DraftLayer(nn.Module):
-    def __init__(self, config: DrafterConfig) -> None:
-        super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = AttentionProjections(config)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+class DraftLayer(DecoderLayer):
+    """A decoder layer (same parameters) whose keys/values are the injected context + the block."""
 
-    def forward(
+    def forward(  # type: ignore[override]
         self,
         x: torch.Tensor,  # [B, γ, H] block stream
         context: torch.Tensor,  # [B, Tc, H] projected new context rows (not layer-normed)
