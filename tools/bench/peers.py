@@ -1,0 +1,133 @@
+"""What users would otherwise run on the same target checkpoint, one request at a time.
+
+- Hugging Face transformers `generate`: greedy, and prompt-lookup decoding
+  (`prompt_lookup_num_tokens`, n-gram drafts copied from the prompt and the output so far).
+- onnxruntime-genai: the model builder's ONNX export of the Hugging Face folder, its plain
+  greedy loop, and its built-in n-gram speculation (`GeneratorParams.set_speculative_options`).
+  The builder invents eos/pad ids when the checkpoint has none; the bench overwrites them in
+  genai_config.json (eos = the shared stop token, pad = -1). Its fused attention refuses
+  batched multi-token steps with a past, so it is a batch-1 peer here.
+
+A peer whose package is missing, or whose model cannot be built, raises PeerUnavailable with
+the reason; the bench reports it and goes on.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .subjects import checkpoint_key
+from .timeline import System, Timeline
+
+INSTALL_HINT = "pip install 'dspark[bench]'"
+
+
+class PeerUnavailable(RuntimeError):
+    """A peer that cannot run here; the message says why and how to get it."""
+
+
+def transformers_systems(target_dir: Path, *, stop: int, threads: int, lookup_tokens: int = 4) -> list[System]:
+    try:
+        import transformers
+        from transformers import AutoModelForCausalLM
+        from transformers.generation.streamers import BaseStreamer
+    except ImportError as exc:
+        raise PeerUnavailable(f"skipped: {INSTALL_HINT} (transformers: {exc})") from exc
+
+    class TimelineStreamer(BaseStreamer):
+        """Records every chunk `generate` emits; the first `put` is the prompt itself."""
+
+        def __init__(self, timeline: Timeline) -> None:
+            self.timeline, self.prompt_seen = timeline, False
+
+        def put(self, value: torch.Tensor) -> None:
+            if self.prompt_seen:
+                self.timeline.deliver(value.flatten().tolist())
+            self.prompt_seen = True
+
+        def end(self) -> None:
+            pass
+
+    torch.set_num_threads(threads)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
+    except (OSError, ValueError, KeyError) as exc:
+        raise PeerUnavailable(f"failed: transformers cannot load {target_dir}: {exc}") from exc
+
+    def runner(**extra: int):
+        def generate(prompt: list[int], max_new_tokens: int) -> Timeline:
+            ids = torch.tensor([prompt])
+            timeline = Timeline()
+            with torch.no_grad():
+                model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                               do_sample=False, eos_token_id=stop, pad_token_id=stop,
+                               streamer=TimelineStreamer(timeline), **extra)
+            return timeline
+
+        return generate
+
+    version = f"transformers {transformers.__version__}"
+    return [
+        System("HF transformers greedy", version, runner()),
+        System(f"HF transformers prompt lookup (k={lookup_tokens})", version,
+               runner(prompt_lookup_num_tokens=lookup_tokens)),
+    ]
+
+
+def build_genai_model(target_dir: Path, cache: Path, *, stop: int, threads: int) -> Path:
+    """The model builder's fp32 CPU export of the target, cached; genai_config.json patched."""
+    out = cache / f"ortgenai-{checkpoint_key(target_dir)}"
+    config_path = out / "genai_config.json"
+    if not config_path.is_file():
+        command = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-m", str(target_dir),
+                   "-o", str(out), "-p", "fp32", "-e", "cpu", "-c", str(cache / "ortgenai-builder-cache")]
+        done = subprocess.run(command, capture_output=True, text=True)
+        if done.returncode != 0 or not config_path.is_file():
+            tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
+            raise PeerUnavailable(f"failed: onnxruntime-genai model builder ({' '.join(command)}): {tail}")
+    config = json.loads(config_path.read_text(encoding="utf-8"))
+    config["model"]["eos_token_id"] = stop
+    config["model"]["pad_token_id"] = -1
+    config["model"]["decoder"]["session_options"]["intra_op_num_threads"] = threads
+    config_path.write_text(json.dumps(config, indent=4) + "\n", encoding="utf-8")
+    return out
+
+
+def genai_systems(target_dir: Path, cache: Path, *, stop: int, threads: int, ngram_size: int = 3,
+                  draft_tokens: int = 4) -> list[System]:
+    try:
+        import onnxruntime_genai as og
+    except ImportError as exc:
+        raise PeerUnavailable(f"skipped: {INSTALL_HINT} (onnxruntime-genai: {exc})") from exc
+    model = og.Model(str(build_genai_model(target_dir, cache, stop=stop, threads=threads)))
+
+    def runner(speculative: dict[str, int] | None):
+        def generate(prompt: list[int], max_new_tokens: int) -> Timeline:
+            params = og.GeneratorParams(model)
+            params.set_search_options(do_sample=False, max_length=len(prompt) + max_new_tokens)
+            if speculative:
+                params.set_speculative_options(**speculative)
+            timeline = Timeline()
+            generator = og.Generator(model, params)
+            generator.append_tokens(np.array([prompt], dtype=np.int32))
+            while not generator.is_done():
+                generator.generate_next_token()
+                timeline.deliver([int(generator.get_next_tokens()[0])])
+            return timeline
+
+        return generate
+
+    version = f"onnxruntime-genai {og.__version__}"
+    ngram = runner({"ngram_size": ngram_size, "max_draft_tokens": draft_tokens})
+    if not hasattr(og.GeneratorParams, "set_speculative_options"):
+        def ngram(prompt: list[int], max_new_tokens: int) -> Timeline:
+            raise PeerUnavailable(f"skipped: {version} has no GeneratorParams.set_speculative_options")
+
+    return [System("onnxruntime-genai greedy", version, runner(None)),
+            System(f"onnxruntime-genai n-gram (n={ngram_size}, k={draft_tokens})", version, ngram)]

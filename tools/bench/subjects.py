@@ -1,0 +1,166 @@
+"""What a bench run measures: the model folders, the export the runtime loads, prompts, stop token.
+
+Without `--engine` the bench exports the pair itself into a cache folder under `--out`, keyed by
+the checkpoint files' sizes and modification times, so a second run reuses it. With `--engine`
+the runtime loads that directory as given; the checkpoint folders (needed by the acceptance
+study and the peers, which run the Hugging Face target) then come only from `--target`,
+`--drafter` and `--dflash`, and whatever needs a missing one is reported as skipped.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from dspark.models import DSparkDrafter
+
+DEMO_DIR = Path(__file__).resolve().parents[2] / "models" / "demo"
+
+
+class BenchSetupError(ValueError):
+    """The bench cannot find or use the models or prompts it was given."""
+
+
+@dataclass(frozen=True)
+class Subjects:
+    runtime_dir: Path  # what Runtime.load opens: an export or engine directory
+    target_dir: Path | None  # Hugging Face target folder (acceptance, peers, greedy reference)
+    dspark_dir: Path | None  # DSpark drafter folder
+    dflash_dir: Path | None  # DFlash drafter folder (no Markov head)
+    source: str  # "demo", "checkpoints" or "engine"
+
+    @property
+    def tokenizer_path(self) -> Path | None:
+        for folder in (self.runtime_dir, self.target_dir):
+            if folder is not None and (folder / "tokenizer.json").is_file():
+                return folder / "tokenizer.json"
+        return None
+
+
+def demo_folders() -> tuple[Path, Path, Path | None]:
+    """The bundled demo pair, or BenchSetupError naming what is missing."""
+    target, dspark, dflash = (DEMO_DIR / name for name in ("target", "dspark", "dflash"))
+    missing = [str(d) for d in (target, dspark) if not (d / "config.json").is_file()]
+    if missing:
+        raise BenchSetupError(
+            f"the bundled demo pair is not there ({', '.join(missing)} lack config.json): train it with "
+            "`dspark train`, or pass --engine DIR or --target DIR --drafter DIR"
+        )
+    return target, dspark, dflash if (dflash / "config.json").is_file() else None
+
+
+def checkpoint_key(*folders: Path) -> str:
+    """Short digest of every file's name, size and mtime in the folders (the export cache key)."""
+    digest = hashlib.sha256()
+    for folder in folders:
+        for path in sorted(folder.resolve().iterdir()):
+            if path.is_file():
+                stat = path.stat()
+                digest.update(f"{path}:{stat.st_size}:{stat.st_mtime_ns}\n".encode())
+    return digest.hexdigest()[:16]
+
+
+def cached_export(target_dir: Path, drafter_dir: Path, cache: Path) -> Path:
+    """dspark-export of the pair into cache/export-<key>, reused when export.json is already there."""
+    from dspark.export import MANIFEST, export_pair
+
+    out = cache / f"export-{checkpoint_key(target_dir, drafter_dir)}"
+    if not (out / MANIFEST).is_file():
+        export_pair(target_dir, drafter_dir, out, check=False)
+    tokenizer = target_dir / "tokenizer.json"
+    if tokenizer.is_file() and not (out / "tokenizer.json").is_file():
+        (out / "tokenizer.json").write_bytes(tokenizer.read_bytes())
+    return out
+
+
+def resolve(engine: Path | None, target: Path | None, drafter: Path | None, dflash: Path | None,
+            cache: Path) -> Subjects:
+    if (target is None) != (drafter is None):
+        raise BenchSetupError("give --target and --drafter together")
+    if engine is not None:
+        return Subjects(engine, target, drafter, dflash, "engine")
+    if target is not None:
+        return Subjects(cached_export(target, drafter, cache), target, drafter, dflash, "checkpoints")
+    target, drafter, demo_dflash = demo_folders()
+    return Subjects(cached_export(target, drafter, cache), target, drafter, dflash or demo_dflash, "demo")
+
+
+def without_markov(drafter: DSparkDrafter) -> DSparkDrafter:
+    """A copy of the drafter that drafts from the backbone's logits alone (Markov head skipped).
+    The confidence head goes too: it may read the Markov embedding, and acceptance is measured
+    on full blocks, which never consult it."""
+    ablated = copy.deepcopy(drafter)
+    ablated.markov_head = None
+    ablated.confidence_head = None
+    return ablated
+
+
+def stop_token(eos_token_ids: Sequence[int], mask_token_id: int) -> int:
+    """The one stop token every system gets: the target's first eos id, or, for a checkpoint
+    without one, the drafter's mask token (a token the target is not trained to produce)."""
+    return int(eos_token_ids[0]) if eos_token_ids else int(mask_token_id)
+
+
+def load_prompts(path: Path | None, tokenizer_path: Path | None, *, count: int, length: int,
+                 vocab_size: int, avoid: Sequence[int], seed: int = 0) -> tuple[list[list[int]], str]:
+    """`count` prompts and where they came from.
+
+    A prompts file is JSON lines ({"ids": [...]} or {"text": "..."}) or plain text, one prompt
+    per line (text needs tokenizer.json). Without a file: windows of `length` tokens of the
+    held-out standard-library modules when a tokenizer is there (the demo pair's domain),
+    else random token ids (for untrained test models), never any id in `avoid`.
+    """
+    if path is not None:
+        return _file_prompts(path, tokenizer_path, vocab_size)[:count], str(path)
+    if tokenizer_path is not None:
+        from tokenizers import Tokenizer
+
+        from dspark.tools import corpus
+        from dspark.tools.demo_eval import heldout_prompts
+
+        tokenizer = Tokenizer.from_file(str(tokenizer_path))
+        streams = [torch.tensor(e.ids) for e in
+                   tokenizer.encode_batch(corpus.read_documents(corpus.corpus_files("heldout")))]
+        per_module = -(-count // len(streams))
+        prompts = heldout_prompts(streams, per_module, length)
+        step = max(len(prompts) // count, 1)
+        return prompts[::step][:count], "held-out standard-library modules"
+    g = torch.Generator().manual_seed(seed)
+    allowed = torch.tensor([t for t in range(vocab_size) if t not in set(avoid)])
+    return ([allowed[torch.randint(0, len(allowed), (length,), generator=g)].tolist() for _ in range(count)],
+            f"random token ids (seed {seed})")
+
+
+def _file_prompts(path: Path, tokenizer_path: Path | None, vocab_size: int) -> list[list[int]]:
+    if not path.is_file():
+        raise BenchSetupError(f"--prompts {path} does not exist")
+    lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    tokenizer = None
+    prompts = []
+    for n, line in enumerate(lines, 1):
+        record = json.loads(line) if path.suffix == ".jsonl" else {"text": line}
+        if "ids" in record:
+            ids = [int(t) for t in record["ids"]]
+        elif "text" in record:
+            if tokenizer_path is None:
+                raise BenchSetupError(f"{path}:{n} is text but no tokenizer.json was found; give token ids "
+                                      'as JSON lines {"ids": [...]}')
+            if tokenizer is None:
+                from tokenizers import Tokenizer
+
+                tokenizer = Tokenizer.from_file(str(tokenizer_path))
+            ids = tokenizer.encode(record["text"]).ids
+        else:
+            raise BenchSetupError(f'{path}:{n}: expected {{"ids": [...]}} or {{"text": "..."}}')
+        if not ids or not all(0 <= t < vocab_size for t in ids):
+            raise BenchSetupError(f"{path}:{n}: empty prompt or ids outside [0, {vocab_size})")
+        prompts.append(ids)
+    if not prompts:
+        raise BenchSetupError(f"--prompts {path} has no prompts")
+    return prompts
