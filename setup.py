@@ -24,6 +24,7 @@ setup(
         "dspark",
         *(f"dspark.{name}" for name in SUBPACKAGES),
         *(f"dspark.plugins.{op}" for op in PLUGIN_OPS),
+        "dspark.tools.bench",
     ],
     package_dir={"dspark": ".", **{f"dspark.{name}": name for name in SUBPACKAGES}},
     # The bundled demo pair (models/demo/{target,dspark,dflash}) ships inside dspark.models.
@@ -52,6 +53,7 @@ setup(
     extras_require={
         "dev": ["pytest>=8", "ruff>=0.6", "transformers>=4.51", "scipy>=1.11", "pyyaml>=6"],
         "tensorrt": ["tensorrt>=10", "polygraphy>=0.49", "nvidia-ml-py>=12"],
+        "bench": ["transformers>=4.51", "onnxruntime-genai>=0.18"],
         "serve": ["uvicorn>=0.30", "starlette>=0.38", "prometheus-client>=0.20"],
     },
     entry_points={

@@ -14,10 +14,10 @@ import click
 _COMMANDS: dict[str, tuple[str, str, str]] = {
     "generate": ("generate_command", "generate", "Generate text with speculative decoding."),
     "train": ("train_command", "train", "Train the bundled demo tokenizer, target and drafters."),
+    "bench": ("bench_command", "bench", "Benchmark against other runtimes, with plots."),
 }
 _NOT_BUILT = {
     "export": "use dspark-export",
-    "bench": "benchmarks against other runtimes",
     "calibrate": "Sequential Temperature Scaling of confidences",
     "serve": "an HTTP server",
 }
