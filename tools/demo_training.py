@@ -147,6 +147,11 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
     path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
 
 
+def _write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    path.chmod(0o644)  # safetensors writes 0600; the demo weights ship in the wheel
+
+
 def save_target(model: TargetModel, folder: Path, config: dict[str, Any], tokenizer_file: Path) -> None:
     """A Hugging Face checkpoint folder: config, `model.`-prefixed safetensors, tokenizer."""
     folder.mkdir(parents=True, exist_ok=True)
@@ -154,7 +159,7 @@ def save_target(model: TargetModel, folder: Path, config: dict[str, Any], tokeni
         (k if k.startswith("lm_head.") else f"model.{k}"): v.detach().contiguous()
         for k, v in model.state_dict().items()
     }
-    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    _write_safetensors(folder / "model.safetensors", tensors)
     _write_json(folder / "config.json", config)
     generation = {"eos_token_id": config["eos_token_id"], "do_sample": False}
     _write_json(folder / "generation_config.json", generation)
@@ -171,7 +176,7 @@ def save_drafter(model: DSparkDrafter, folder: Path, config: dict[str, Any]) -> 
     tensors = {
         k: v.detach().contiguous() for k, v in model.state_dict().items() if k not in SHARED_WITH_TARGET
     }
-    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    _write_safetensors(folder / "model.safetensors", tensors)
     _write_json(folder / "config.json", config)
 
 
