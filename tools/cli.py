@@ -15,10 +15,10 @@ _COMMANDS: dict[str, tuple[str, str, str]] = {
     "generate": ("generate_command", "generate", "Generate text with speculative decoding."),
     "train": ("train_command", "train", "Train the bundled demo tokenizer, target and drafters."),
     "bench": ("bench_command", "bench", "Benchmark against other runtimes, with plots."),
+    "calibrate": ("calibrate_command", "calibrate", "Sequential Temperature Scaling of confidences."),
 }
 _NOT_BUILT = {
     "export": "use dspark-export",
-    "calibrate": "Sequential Temperature Scaling of confidences",
     "serve": "an HTTP server",
 }
 
@@ -57,5 +57,4 @@ def export_main() -> None:
 
 
 def build_engine_main() -> None:
-    click.echo("dspark-build-engine: not built yet (ONNX Runtime / TensorRT engines).", err=True)
-    raise SystemExit(2)
+    importlib.import_module("dspark.tools.build_engine_command").build_engine()

@@ -1,0 +1,85 @@
+"""The measured cost table behind SPS: step seconds as a function of (requests R, tokens B).
+
+On CPU a step's time depends on both the number of requests R and the number of verified tokens
+B = Σ_r (1 + ℓ_r), so the table is two-dimensional:
+
+    verify[i][k]  median seconds of one target verification call with R = batches[i] rows and
+                  B = buckets[k] tokens (shape [R, ceil(B / R)]); None where B < R
+    draft[i]      median seconds of drafting for R = batches[i] rows (backbone + greedy head)
+
+    seconds(R, B) = draft(R) + verify(R, B)      SPS(R, B) = 1 / seconds(R, B)
+
+Timing noise on a shared machine can make a larger bucket measure faster than a smaller one;
+lookups use the running maximum over B (verifying more tokens never costs less), the stored
+measurements stay raw. verify(R, B) is then piecewise linear in B between measured buckets (linear extrapolation past the
+last one) and piecewise linear in R between measured batch sizes (and beyond them), so the
+prefix scheduler sees a cost that rises with every admitted token rather than in steps.
+`seconds(requests, tokens)` has the signature of the runtime's `StepCostModel.seconds`.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+from itertools import accumulate
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+MIN_SECONDS = 1e-9
+
+
+def interpolate(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
+    """Piecewise-linear y(x) through (xs, ys) (xs increasing), extrapolating the end segments."""
+    if len(xs) == 1:
+        return ys[0]
+    i = min(max(bisect_right(xs, x) - 1, 0), len(xs) - 2)
+    x0, x1, y0, y1 = xs[i], xs[i + 1], ys[i], ys[i + 1]
+    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+
+
+@dataclass(frozen=True)
+class CostTable:
+    batches: tuple[int, ...]  # R values measured, increasing
+    buckets: tuple[int, ...]  # B values measured, increasing
+    verify: tuple[tuple[float | None, ...], ...]  # [len(batches)][len(buckets)] seconds
+    draft: tuple[float, ...]  # [len(batches)] seconds
+
+    def __post_init__(self) -> None:
+        if not self.batches or not self.buckets:
+            raise ValueError("a cost table needs at least one batch size and one bucket")
+        if len(self.verify) != len(self.batches) or len(self.draft) != len(self.batches):
+            raise ValueError(f"cost table: {len(self.batches)} batch sizes but {len(self.verify)} verify rows "
+                             f"and {len(self.draft)} draft entries")
+        for r, row in zip(self.batches, self.verify, strict=True):
+            if len(row) != len(self.buckets):
+                raise ValueError(f"cost table: batch {r} has {len(row)} entries for {len(self.buckets)} buckets")
+            if not any(v is not None for v in row):
+                raise ValueError(f"cost table: batch {r} has no measured bucket")
+
+    def _row(self, i: int, tokens: float) -> float:
+        points = [(b, v) for b, v in zip(self.buckets, self.verify[i], strict=True) if v is not None]
+        seconds = list(accumulate((v for _, v in points), max))  # more tokens never cost less
+        return interpolate([b for b, _ in points], seconds, tokens)
+
+    def verify_seconds(self, requests: int, tokens: int) -> float:
+        per_batch = [self._row(i, tokens) for i in range(len(self.batches))]
+        return max(interpolate(self.batches, per_batch, requests), MIN_SECONDS)
+
+    def draft_seconds(self, requests: int) -> float:
+        return max(interpolate(self.batches, self.draft, requests), 0.0)
+
+    def seconds(self, requests: int, tokens: int) -> float:
+        """Predicted seconds of one decode step (drafting + verification)."""
+        return max(self.draft_seconds(requests) + self.verify_seconds(requests, tokens), MIN_SECONDS)
+
+    def sps(self, requests: int, tokens: int) -> float:
+        return 1.0 / self.seconds(requests, tokens)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"batches": list(self.batches), "buckets": list(self.buckets),
+                "verify_seconds": [list(row) for row in self.verify], "draft_seconds": list(self.draft)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> CostTable:
+        return cls(tuple(data["batches"]), tuple(data["buckets"]),
+                   tuple(tuple(row) for row in data["verify_seconds"]), tuple(data["draft_seconds"]))

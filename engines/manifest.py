@@ -1,0 +1,139 @@
+"""`engine.json`: what an engine directory holds, how it was built, its SPS table and STS temperatures.
+
+    format_version  1
+    kind            "dspark-engine"
+    backend         "onnxruntime" | "tensorrt"
+    export          {dir: the source dspark-export dir (absolute), manifest_sha256}
+    graphs          {name: {file (relative to the engine dir), bytes, sha256, source (export file)}}
+    limits          {max_batch, max_seq_len, verify_width, max_batch_tokens}
+    buckets         [B_1 < B_2 < ...] verified-token bounds; TensorRT: one profile each
+    session         ORT: {graph_optimization_level, intra_op_threads, inter_op_threads, execution_mode}
+    tensorrt        TRT: {version, plugin_library, timing_cache, strongly_typed, profiles: {graph: [...]},
+                    comparison: Polygraphy TRT-vs-ORT result}
+    sps             profiling.profile_section: {measured_at, past, warmup, repeats, statistic,
+                    load_before, load_after, seconds, tables: {target graph: CostTable.to_dict()}}
+    calibration     null or {temperatures [γ], ece_before [γ], ece_after [γ], ece_before_mean,
+                    ece_after_mean, bins, grid, samples, sequences, data, diagram}
+    built_with      {dspark, onnxruntime, tensorrt, python, platform, cpu_count}
+    build_seconds   float
+
+`validate` checks all of it and raises EngineManifestError naming the first bad field.
+"""
+
+from __future__ import annotations
+
+import json
+from itertools import pairwise
+from pathlib import Path
+from typing import Any
+
+ENGINE_JSON = "engine.json"
+FORMAT_VERSION = 1
+KIND = "dspark-engine"
+BACKENDS = ("onnxruntime", "tensorrt")
+_REQUIRED = ("format_version", "kind", "backend", "export", "graphs", "limits", "buckets", "sps",
+             "calibration", "built_with", "build_seconds")
+
+
+class EngineManifestError(ValueError):
+    """engine.json is missing, unreadable, or does not follow the schema."""
+
+
+def _fail(where: str, message: str) -> None:
+    raise EngineManifestError(f"{where}: {message}")
+
+
+def _positive_ints(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(v, int) and v >= 1 for v in value)
+
+
+def _increasing(values: list[int]) -> bool:
+    return all(b > a for a, b in pairwise(values))
+
+
+def validate(manifest: Any, where: str = ENGINE_JSON) -> dict[str, Any]:
+    """Return `manifest` if it follows the schema; raise EngineManifestError otherwise."""
+    if not isinstance(manifest, dict):
+        _fail(where, "expected a JSON object")
+    missing = [k for k in _REQUIRED if k not in manifest]
+    if missing:
+        _fail(where, f"missing fields {missing}")
+    if manifest["format_version"] != FORMAT_VERSION:
+        _fail(where, f"format_version {manifest['format_version']!r} is not {FORMAT_VERSION}; rebuild the engine")
+    if manifest["kind"] != KIND:
+        _fail(where, f"kind {manifest['kind']!r} is not {KIND!r}")
+    if manifest["backend"] not in BACKENDS:
+        _fail(where, f"backend {manifest['backend']!r} is not one of {BACKENDS}")
+    graphs = manifest["graphs"]
+    if not isinstance(graphs, dict) or not graphs:
+        _fail(where, "graphs must be a non-empty object")
+    for name, entry in graphs.items():
+        if not isinstance(entry, dict) or not {"file", "sha256", "bytes"} <= entry.keys():
+            _fail(where, f"graphs.{name} needs file, bytes and sha256")
+    limits = manifest["limits"]
+    for key in ("max_batch", "max_seq_len", "verify_width", "max_batch_tokens"):
+        if not isinstance(limits, dict) or not isinstance(limits.get(key), int) or limits[key] < 1:
+            _fail(where, f"limits.{key} must be a positive integer")
+    buckets = manifest["buckets"]
+    if not _positive_ints(buckets) or not _increasing(buckets):
+        _fail(where, f"buckets must be strictly increasing positive integers, got {buckets!r}")
+    if buckets[-1] > limits["max_batch_tokens"]:
+        _fail(where, f"largest bucket {buckets[-1]} exceeds limits.max_batch_tokens {limits['max_batch_tokens']}")
+    _validate_sps(manifest["sps"], where)
+    if manifest["calibration"] is not None:
+        _validate_calibration(manifest["calibration"], limits["verify_width"] - 1, where)
+    return manifest
+
+
+def _validate_sps(sps: Any, where: str) -> None:
+    if not isinstance(sps, dict) or not isinstance(sps.get("tables"), dict) or not sps["tables"]:
+        _fail(where, "sps.tables must hold at least one measured table")
+    for graph, table in sps["tables"].items():
+        at = f"sps.tables.{graph}"
+        if not isinstance(table, dict) or not _positive_ints(table.get("batches")) or not _positive_ints(
+            table.get("buckets")
+        ):
+            _fail(where, f"{at} needs batches and buckets (positive integers)")
+        rows, cols = len(table["batches"]), len(table["buckets"])
+        verify, draft = table.get("verify_seconds"), table.get("draft_seconds")
+        if not isinstance(verify, list) or len(verify) != rows or any(
+            not isinstance(row, list) or len(row) != cols for row in verify
+        ):
+            _fail(where, f"{at}.verify_seconds must be a {rows} x {cols} list")
+        if any(v is not None and not (isinstance(v, float | int) and v > 0) for row in verify for v in row):
+            _fail(where, f"{at}.verify_seconds entries must be positive seconds or null")
+        if not isinstance(draft, list) or len(draft) != rows or any(
+            not isinstance(v, float | int) or v < 0 for v in draft
+        ):
+            _fail(where, f"{at}.draft_seconds must be {rows} non-negative seconds")
+
+
+def _validate_calibration(cal: Any, block: int, where: str) -> None:
+    if not isinstance(cal, dict):
+        _fail(where, "calibration must be null or an object")
+    for key in ("temperatures", "ece_before", "ece_after"):
+        values = cal.get(key)
+        if not isinstance(values, list) or len(values) != block:
+            _fail(where, f"calibration.{key} must list one value per block slot ({block})")
+    if any(not isinstance(t, float | int) or t <= 0 for t in cal["temperatures"]):
+        _fail(where, "calibration.temperatures must be > 0")
+
+
+def read_engine_manifest(engine_dir: str | Path) -> dict[str, Any]:
+    path = Path(engine_dir) / ENGINE_JSON
+    if not path.is_file():
+        raise EngineManifestError(f"{path} is missing: {engine_dir} is not a dspark-build-engine output")
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise EngineManifestError(f"{path} is not valid JSON ({exc})") from None
+    return validate(manifest, str(path))
+
+
+def write_engine_manifest(engine_dir: str | Path, manifest: dict[str, Any]) -> Path:
+    validate(manifest)
+    path = Path(engine_dir) / ENGINE_JSON
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")
+    tmp.replace(path)  # --reprofile / calibrate rewrite in place: never leave a half-written file
+    return path

@@ -1,0 +1,151 @@
+"""SPS profiling: time the target verification graph per (batch, token bucket) and drafting per batch.
+
+For each batch size R and bucket B ≥ R the target graph runs on [R, ceil(B / R)] new tokens over
+`past` cached positions (causal mask); drafting runs the backbone on [R, γ] over `past` cached
+context rows with 1 + γ/2 new rows (a typical accepted prefix) plus the greedy head when the
+drafter has one. Each point gets `warmup` untimed calls, then `repeats` timed calls; the median
+is kept. The table is `CostTable` (see cost_table.py). The machine's load while profiling
+(load average, CPU count) is recorded beside it: on a shared CPU the numbers move with it.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections.abc import Callable, Mapping, Sequence
+from datetime import datetime, timezone
+from statistics import median
+from typing import Any
+
+import numpy as np
+
+from dspark.export import contract as C
+
+from .cost_table import CostTable
+from .feeds import random_feeds
+
+RunGraph = Callable[[str, Mapping[str, np.ndarray]], object]  # (graph, feeds) -> outputs
+
+
+def time_median(call: Callable[[], object], *, warmup: int, repeats: int) -> float:
+    """Median wall-clock seconds of `repeats` calls after `warmup` untimed calls."""
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    for _ in range(warmup):
+        call()
+    times = []
+    for _ in range(repeats):
+        begin = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - begin)
+    return median(times)
+
+
+def profile_batches(max_batch: int) -> tuple[int, ...]:
+    """Powers of two up to `max_batch`, and `max_batch` itself."""
+    out, r = [], 1
+    while r < max_batch:
+        out.append(r)
+        r *= 2
+    return (*out, max_batch)
+
+
+def target_sizes(graph: str, batch: int, tokens: int, past: int) -> dict[str, int]:
+    if graph == C.TARGET_STATIC:
+        return {"batch": batch, "tokens": tokens, "capacity": past}
+    return {"batch": batch, "tokens": tokens, "past": past}
+
+
+def drafter_sizes(batch: int, block: int, past: int) -> dict[str, int]:
+    context = 1 + block // 2
+    return {"batch": batch, "context_tokens": context, "context_past": past,
+            "block_total": past + context + block}
+
+
+def measure_table(
+    run: RunGraph,
+    specs: Mapping[str, C.GraphSpec],
+    *,
+    target_graph: str,
+    vocab_size: int,
+    block_size: int,
+    batches: Sequence[int],
+    buckets: Sequence[int],
+    past: int,
+    warmup: int = 2,
+    repeats: int = 5,
+    progress: Callable[[str], None] | None = None,
+) -> CostTable:
+    """One `CostTable` for `target_graph` (C.TARGET or C.TARGET_STATIC)."""
+    verify = []
+    for r in batches:
+        row: list[float | None] = []
+        for b in buckets:
+            if b < r:
+                row.append(None)
+                continue
+            feeds = random_feeds(specs[target_graph], target_sizes(target_graph, r, math.ceil(b / r), past),
+                                 vocab_size=vocab_size, seed=r * 1000 + b)
+            row.append(time_median(lambda f=feeds: run(target_graph, f), warmup=warmup, repeats=repeats))
+            if progress:
+                progress(f"{target_graph} R={r} B={b}: {1e3 * row[-1]:.2f} ms")
+        verify.append(tuple(row))
+    draft = [_draft_seconds(run, specs, r, vocab_size, block_size, past, warmup, repeats) for r in batches]
+    return CostTable(tuple(batches), tuple(buckets), tuple(verify), tuple(draft))
+
+
+def _draft_seconds(run: RunGraph, specs: Mapping[str, C.GraphSpec], batch: int, vocab_size: int,
+                   block: int, past: int, warmup: int, repeats: int) -> float:
+    backbone = random_feeds(specs[C.BACKBONE], drafter_sizes(batch, block, past), vocab_size=vocab_size)
+    head = None
+    if C.HEAD_GREEDY in specs:
+        head = random_feeds(specs[C.HEAD_GREEDY], {"batch": batch}, vocab_size=vocab_size)
+
+    def call() -> None:
+        run(C.BACKBONE, backbone)
+        if head is not None:
+            run(C.HEAD_GREEDY, head)
+
+    return time_median(call, warmup=warmup, repeats=repeats)
+
+
+def machine_load() -> dict[str, Any]:
+    load = os.getloadavg() if hasattr(os, "getloadavg") else (float("nan"),) * 3
+    return {"cpu_count": os.cpu_count(), "loadavg_1m": round(load[0], 2), "loadavg_5m": round(load[1], 2)}
+
+
+def profile_section(
+    run: RunGraph,
+    specs: Mapping[str, C.GraphSpec],
+    *,
+    vocab_size: int,
+    block_size: int,
+    batches: Sequence[int],
+    buckets: Sequence[int],
+    past: int,
+    warmup: int = 2,
+    repeats: int = 5,
+    progress: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """engine.json's `sps` section: one table per target graph present, plus how it was measured."""
+    load_before = machine_load()
+    begin = time.perf_counter()
+    tables = {
+        graph: measure_table(run, specs, target_graph=graph, vocab_size=vocab_size, block_size=block_size,
+                             batches=batches, buckets=buckets, past=past, warmup=warmup, repeats=repeats,
+                             progress=progress).to_dict()
+        for graph in (C.TARGET, C.TARGET_STATIC)
+        if graph in specs
+    }
+    return {
+        "measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "past": past,
+        "warmup": warmup,
+        "repeats": repeats,
+        "statistic": "median",
+        "load_before": load_before,
+        "load_after": machine_load(),
+        "seconds": round(time.perf_counter() - begin, 2),
+        "tables": tables,
+    }

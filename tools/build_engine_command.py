@@ -1,0 +1,80 @@
+"""`dspark-build-engine`: a dspark-export directory -> an engine directory with engine.json."""
+
+from __future__ import annotations
+
+import click
+
+_PATH = str  # checked by build_engine, which reports one-line errors
+
+
+def _print_table(manifest: dict) -> None:
+    for graph, table in manifest["sps"]["tables"].items():
+        click.echo(f"SPS ({graph}, past {manifest['sps']['past']}): steps/s = 1 / (draft(R) + verify(R, B))")
+        click.echo("   R \\ B " + "".join(f"{b:>9}" for b in table["buckets"]))
+        for r, row, draft in zip(table["batches"], table["verify_seconds"], table["draft_seconds"], strict=True):
+            cells = "".join(f"{'-':>9}" if v is None else f"{1 / (v + draft):9.1f}" for v in row)
+            click.echo(f"{r:>8} " + cells)
+
+
+@click.command("dspark-build-engine", context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("export_dir", type=_PATH)
+@click.option("--out", "out_dir", required=True, type=_PATH, help="Engine directory to write (engine.json).")
+@click.option("--backend", default="onnxruntime", show_default=True,
+              type=click.Choice(["onnxruntime", "tensorrt"]), help="Engine backend.")
+@click.option("--buckets", help="Verified-token buckets, e.g. 1,2,4,8,16 (default: powers of two up to "
+              "--max-batch-tokens). TensorRT builds one optimization profile per bucket.")
+@click.option("--max-batch-tokens", default=64, show_default=True, type=int,
+              help="Most tokens one step verifies (the largest bucket).")
+@click.option("--max-batch", default=8, show_default=True, type=int, help="Most requests per step.")
+@click.option("--max-seq-len", default=1024, show_default=True, type=int,
+              help="Most cached positions per request (capped at the model's max positions).")
+@click.option("--threads", default=1, show_default=True, type=click.IntRange(min=0),
+              help="ONNX Runtime intra-op threads (0 = all cores).")
+@click.option("--profile-past", default=64, show_default=True, type=click.IntRange(min=0),
+              help="Cached positions per request while profiling SPS.")
+@click.option("--repeats", default=5, show_default=True, type=click.IntRange(min=1),
+              help="Timed calls per profiling point (median kept).")
+@click.option("--calibrate-data", type=_PATH, help="Held-out sequences (ids or text, .txt/.jsonl) for STS.")
+@click.option("--tokenizer", type=_PATH, help="tokenizer.json for text data (copied into the engine).")
+@click.option("--reprofile", is_flag=True, help="Only re-measure the SPS table of the existing engine in --out.")
+@click.option("--quiet", is_flag=True, help="No progress lines.")
+def build_engine(export_dir, out_dir, backend, buckets, max_batch_tokens, max_batch, max_seq_len, threads,
+                 profile_past, repeats, calibrate_data, tokenizer, reprofile, quiet) -> None:
+    """Build an ONNX Runtime or TensorRT engine from EXPORT_DIR, profile it, optionally calibrate it."""
+    import shutil
+    from pathlib import Path
+
+    from dspark.engines import build as B
+    from dspark.engines.buckets import BucketError, parse_buckets
+    from dspark.engines.export_source import BuildError, load_export
+    from dspark.engines.manifest import EngineManifestError
+
+    def progress(message: str) -> None:
+        if not quiet:
+            click.echo(f"dspark-build-engine: {message}", err=True)
+
+    try:
+        if reprofile:
+            load_export(export_dir)
+            manifest = B.reprofile(out_dir, repeats=repeats, progress=progress)
+            if calibrate_data:
+                manifest = B.calibrate_engine(out_dir, calibrate_data, tokenizer=tokenizer, progress=progress)
+        else:
+            options = B.BuildOptions(backend=backend, buckets=parse_buckets(buckets) if buckets else None,
+                                   max_batch_tokens=max_batch_tokens, max_batch=max_batch, max_seq_len=max_seq_len,
+                                   threads=threads, profile_past=profile_past, repeats=repeats)
+            if tokenizer and not Path(tokenizer).is_file():
+                raise BuildError(f"--tokenizer {tokenizer} does not exist")
+            manifest = B.build_engine(export_dir, out_dir, options, calibrate_data=calibrate_data,
+                                    tokenizer=tokenizer, progress=progress)
+            if tokenizer:
+                shutil.copyfile(tokenizer, Path(out_dir) / "tokenizer.json")
+    except (BuildError, BucketError, EngineManifestError) as exc:
+        click.echo(f"dspark-build-engine: error: {exc}", err=True)
+        raise SystemExit(2) from None
+    _print_table(manifest)
+    cal = manifest["calibration"]
+    if cal:
+        click.echo(f"STS temperatures {[round(t, 3) for t in cal['temperatures']]}; mean ECE "
+                   f"{cal['ece_before_mean']:.4f} -> {cal['ece_after_mean']:.4f} ({cal['samples']} rounds)")
+    click.echo(f"wrote {Path(out_dir) / 'engine.json'} ({manifest['backend']}, buckets {manifest['buckets']})")
