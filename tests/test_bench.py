@@ -132,3 +132,20 @@ def test_markov_head_off_is_a_copy() -> None:
     ablated = subjects.without_markov(drafter)
     assert ablated.markov_head is None and drafter.markov_head is not None
     assert ablated.lm_head.weight.data_ptr() != drafter.lm_head.weight.data_ptr()
+
+
+def test_engine_without_checkpoints(bench_out: Path, tmp_path: Path) -> None:
+    """--engine alone: acceptance and peers are skipped, greedy is checked against our own
+    autoregressive decoding."""
+    (export_dir,) = (bench_out / "cache").glob("export-*")
+    args = ["--out", str(tmp_path), "--engine", str(export_dir), "--num-prompts", "1", "--prompt-len", "8",
+            "--new-tokens", "8", "--concurrency", "2", "--sweep-new-tokens", "4"]
+    result = CliRunner().invoke(bench, args, catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert "acceptance" not in results and results["acceptance_status"].startswith("skipped")
+    assert results["single_stream"]["reference"].startswith("dspark autoregressive")
+    systems = [r["system"] for r in results["single_stream"]["rows"]]
+    assert systems == ["dspark scheduler", "dspark fixed γ=3", "dspark fixed γ=7", "dspark autoregressive"]
+    assert all(r["greedy_check"]["equal"] for r in results["single_stream"]["rows"])
+    assert "acceptance.png" not in results["plots"] and "pareto.png" in results["plots"]
