@@ -21,6 +21,7 @@ import click
 
 _DIR = click.Path(exists=True, file_okay=False, path_type=Path)
 SCHEMA_VERSION = 1
+SWEEP_DISTINCT_PROMPTS = 64  # the sweep's request i uses prompt i % 64
 
 
 @dataclass(frozen=True)
@@ -131,7 +132,8 @@ def run_bench(out: Path, sizes: Sizes, *, engine: Path | None, target: Path | No
                     "cpus": os.cpu_count(), "threads": threads, "load_average_before": load_before},
         "config": {"prompts": len(prompts), "prompt_source": prompt_source, "new_tokens": sizes.new_tokens,
                    "concurrency": list(sizes.concurrency), "sweep_prompt_len": sizes.sweep_prompt_len,
-                   "sweep_new_tokens": sizes.sweep_new_tokens, "stop_token": stop,
+                   "sweep_new_tokens": sizes.sweep_new_tokens, "sweep_distinct_prompts": SWEEP_DISTINCT_PROMPTS,
+                   "stop_token": stop,
                    "block_size": info.block_size},
         "subjects": {"source": chosen.source, **{k: None if v is None else str(v) for k, v in {
             "runtime_dir": chosen.runtime_dir, "target_dir": chosen.target_dir, "dspark_dir": chosen.dspark_dir,
@@ -174,7 +176,10 @@ def run_bench(out: Path, sizes: Sizes, *, engine: Path | None, target: Path | No
     results["single_stream"] = {"reference": reference_name, "prompts": len(prompts),
                                 "max_new_tokens": sizes.new_tokens, "rows": rows}
 
-    sweep_prompts = [p[: sizes.sweep_prompt_len] for p in prompts]
+    sweep_prompts, _ = subjects.load_prompts(
+        prompts_file, chosen.tokenizer_path, count=min(max(sizes.concurrency), SWEEP_DISTINCT_PROMPTS),
+        length=sizes.sweep_prompt_len, vocab_size=info.vocab_size, avoid=(stop, info.mask_token_id), seed=1)
+    sweep_prompts = [p[: sizes.sweep_prompt_len] for p in sweep_prompts]
     results["load_sweep"] = load_sweep.load_sweep(runtime, sweep_prompts, sizes.concurrency,
                                                   max_new_tokens=sizes.sweep_new_tokens, stop=stop)
     results["cost_model_ms"] = runtime.cost_model.to_dict() if runtime.cost_model else None

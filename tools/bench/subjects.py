@@ -122,15 +122,14 @@ def load_prompts(path: Path | None, tokenizer_path: Path | None, *, count: int, 
         from tokenizers import Tokenizer
 
         from dspark.tools import corpus
-        from dspark.tools.demo_eval import heldout_prompts
 
         tokenizer = Tokenizer.from_file(str(tokenizer_path))
-        streams = [torch.tensor(e.ids) for e in
-                   tokenizer.encode_batch(corpus.read_documents(corpus.corpus_files("heldout")))]
+        streams = [e.ids for e in tokenizer.encode_batch(corpus.read_documents(corpus.corpus_files("heldout")))]
         per_module = -(-count // len(streams))
-        prompts = heldout_prompts(streams, per_module, length)
-        step = max(len(prompts) // count, 1)
-        return prompts[::step][:count], "held-out standard-library modules"
+        # windows at 1/(n+1), ..., n/(n+1) of each module: code, not just its opening docstring
+        windows = [ids[start : start + length] for i in range(1, per_module + 1) for ids in streams
+                   if len(ids) > length for start in [(len(ids) - length) * i // (per_module + 1)]]
+        return windows[:count], "held-out standard-library modules"
     g = torch.Generator().manual_seed(seed)
     allowed = torch.tensor([t for t in range(vocab_size) if t not in set(avoid)])
     return ([allowed[torch.randint(0, len(allowed), (length,), generator=g)].tolist() for _ in range(count)],
