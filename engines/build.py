@@ -71,6 +71,10 @@ def build_engine(export_dir: str | Path, out_dir: str | Path, options: BuildOpti
     begin = time.perf_counter()
     export_dir, out_dir = Path(export_dir), Path(out_dir)
     export = load_export(export_dir)
+    if options.backend == "tensorrt":
+        from .trt_builder import import_tensorrt
+
+        import_tensorrt()  # fail before creating anything
     limits = _limits(export, options)
     buckets = plan_buckets(options.max_batch_tokens, options.buckets)
     if out_dir.exists() and not out_dir.is_dir():
@@ -92,9 +96,8 @@ def build_engine(export_dir: str | Path, out_dir: str | Path, options: BuildOpti
                                               threads=options.threads, progress=progress)
         manifest["session"] = session_section(options.optimization_level, options.threads)
     elif options.backend == "tensorrt":
-        from .trt_builder import build_trt, import_tensorrt
+        from .trt_builder import build_trt
 
-        import_tensorrt()  # fail before creating anything
         out_dir.mkdir(parents=True, exist_ok=True)
         manifest["graphs"], manifest["tensorrt"] = build_trt(export_dir, export, out_dir, buckets=buckets,
                                                              limits=limits, progress=progress)

@@ -11,18 +11,18 @@ B = Σ_r (1 + ℓ_r), so the table is two-dimensional:
 
 Timing noise on a shared machine can make a larger bucket measure faster than a smaller one;
 lookups use the running maximum over B (verifying more tokens never costs less), the stored
-measurements stay raw. verify(R, B) is then piecewise linear in B between measured buckets (linear extrapolation past the
-last one) and piecewise linear in R between measured batch sizes (and beyond them), so the
-prefix scheduler sees a cost that rises with every admitted token rather than in steps.
+measurements stay raw. verify(R, B) is then piecewise linear in B between measured buckets
+(linear extrapolation past the last one) and piecewise linear in R between measured batch sizes
+(and beyond them), so the prefix scheduler sees a cost that rises with every admitted token rather than in steps.
 `seconds(requests, tokens)` has the signature of the runtime's `StepCostModel.seconds`.
 """
 
 from __future__ import annotations
 
 from bisect import bisect_right
-from itertools import accumulate
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Any
 
 MIN_SECONDS = 1e-9

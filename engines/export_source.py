@@ -29,6 +29,10 @@ def load_export(export_dir: str | Path, *, verify_files: bool = True) -> dict[st
     for key in ("dtype", "target", "drafter", "graphs", "lm_head_in_backbone"):
         if key not in manifest:
             raise BuildError(f"{root / MANIFEST} is corrupt: no '{key}' field; re-run dspark-export")
+    for section, key in (("target", "vocab_size"), ("target", "max_position_embeddings"),
+                         ("drafter", "block_size")):
+        if not isinstance(manifest[section], dict) or not isinstance(manifest[section].get(key), int):
+            raise BuildError(f"{root / MANIFEST} is corrupt: no integer {section}.{key}; re-run dspark-export")
     graphs = manifest["graphs"]
     if not isinstance(graphs, dict) or "target" not in graphs or "drafter_backbone" not in graphs:
         raise BuildError(f"{root / MANIFEST} is corrupt: 'graphs' lacks target/drafter_backbone; re-run dspark-export")
