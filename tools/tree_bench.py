@@ -77,7 +77,7 @@ def run_method(
     decode: Callable[[list[int], int], Any], prompts: Sequence[list[int]], greedy_reference: list[list[int]] | None
 ) -> dict[str, Any]:
     """decode(prompt, seed) -> result with .tokens/.rounds (or a token list); time and summarise."""
-    acceptance, nodes, tokens, rounds = [], [], 0, 0
+    acceptance, nodes, expected, tokens, rounds = [], [], [], 0, 0
     began = time.perf_counter()
     for i, prompt in enumerate(prompts):
         result = decode(prompt, i)
@@ -88,6 +88,8 @@ def run_method(
         for r in getattr(result, "rounds", []):
             acceptance.append(r.acceptance_length)
             nodes.append(getattr(r, "tree_nodes", getattr(r, "proposal_length", 0)))
+            if hasattr(r, "expected_acceptance"):
+                expected.append(r.expected_acceptance)
         rounds += len(getattr(result, "rounds", []))
     seconds = time.perf_counter() - began
     summary = {"tokens": tokens, "seconds": round(seconds, 3), "tokens_per_second": round(tokens / seconds, 1)}
@@ -95,6 +97,8 @@ def run_method(
         summary.update(rounds=rounds, mean_acceptance_length=round(float(np.mean(acceptance)), 3),
                        mean_draft_nodes=round(float(np.mean(nodes)), 2),
                        seconds_per_round=seconds / rounds)
+    if expected:  # the builder's own estimate 1 + Σ node scores, to compare with the measured τ
+        summary["mean_expected_acceptance"] = round(float(np.mean(expected)), 3)
     return summary
 
 
@@ -213,7 +217,15 @@ def plot(results: dict[str, Any], budgets: Sequence[int], path: Path) -> None:
 @click.option("--temperatures", default="0,1", show_default=True)
 @click.option("--threads", type=int, default=1, show_default=True, help="torch intra-op threads")
 def main(target_dir, drafter_dir, out, num_prompts, prompt_len, new_tokens, budgets, temperatures, threads) -> None:
+    previous_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
+    try:
+        _run(target_dir, drafter_dir, out, num_prompts, prompt_len, new_tokens, budgets, temperatures, threads)
+    finally:
+        torch.set_num_threads(previous_threads)
+
+
+def _run(target_dir, drafter_dir, out, num_prompts, prompt_len, new_tokens, budgets, temperatures, threads) -> None:
     budget_list = [int(b) for b in budgets.split(",")]
     temperature_list = [float(t) for t in temperatures.split(",")]
     description, target_path, drafter_path = pick_pair(target_dir, drafter_dir)

@@ -1,0 +1,32 @@
+"""tools/tree_bench runs end to end on the golden pair and writes its JSON and PNG."""
+
+from __future__ import annotations
+
+import json
+
+from click.testing import CliRunner
+from conftest import golden_path
+
+from dspark.tools.tree_bench import main, sps_from_rounds
+
+
+def test_tree_bench_writes_json_and_png(tmp_path) -> None:
+    folder = golden_path("qwen3-tiny-vanilla")
+    result = CliRunner().invoke(main, [
+        "--target", str(folder / "target"), "--drafter", str(folder / "drafter"), "--out", str(tmp_path),
+        "--prompts", "1", "--new-tokens", "12", "--budgets", "2,8", "--temperatures", "0,1",
+    ])
+    assert result.exit_code == 0, result.output
+    data = json.loads((tmp_path / "tree_bench.json").read_text())
+    assert (tmp_path / "tree_bench.png").stat().st_size > 0
+    for key in ("T=0", "T=1"):
+        row = data[key]
+        for method in ("chain/2", "chain/8", "markov/2", "markov/8", "marginals/8", "markov+sched"):
+            assert row[method]["tokens"] == 12 and row[method]["mean_acceptance_length"] >= 1.0
+        assert row["markov/8"]["mean_draft_nodes"] <= 8 and row["chain/2"]["mean_draft_nodes"] == 2
+    assert set(data["cost_table_seconds_per_round"]) == {"1", "3", "9"}
+
+
+def test_sps_interpolates_and_extrapolates_round_times() -> None:
+    sps = sps_from_rounds({0: 1.0, 8: 2.0})  # B = 1 -> 1 s, B = 9 -> 2 s
+    assert sps(5) == 1.0 / 1.5 and sps(17) == 1.0 / 3.0
