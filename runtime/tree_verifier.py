@@ -97,3 +97,32 @@ def compact_kv_cache(cache: KVCache, past_length: int, path: list[int]) -> KVCac
 def path_features(context_features: torch.Tensor, path: list[int]) -> torch.Tensor:
     """[1, N+1, F] features of the tree forward -> [1, len(path), F] of the accepted path, in order."""
     return context_features[:, torch.tensor(path, dtype=torch.int64)]
+
+
+@dataclass(frozen=True)
+class PackedTrees:
+    """Several requests' trees in one padded batch; R = requests, T = 1 + max draft nodes.
+
+    Row r holds tree r's nodes first, then padding nodes (parent -2, token 0, depth 0) that see
+    only themselves; its cache slots are past_lengths[r] + node index, as for one tree.
+    """
+
+    parents: torch.Tensor  # [R, T] int64
+    input_ids: torch.Tensor  # [R, T] int64
+    position_ids: torch.Tensor  # [R, T] int64, past_lengths[r] + depth
+    tree_mask: torch.Tensor  # [R, 1, T, T] bool, ancestor-only
+
+
+def pack_trees(trees: list[DraftTree], past_lengths: list[int]) -> PackedTrees:
+    """The batched runtime's feed for one tree-verification step (compose the cache columns with
+    `dspark.plugins.compose_full_mask(packed.tree_mask, past_lengths, capacity)`)."""
+    if len(trees) != len(past_lengths):
+        raise ValueError(f"{len(trees)} trees but {len(past_lengths)} past lengths")
+    width = 1 + max(t.num_nodes for t in trees)
+    parents = torch.full((len(trees), width), -2, dtype=torch.int64)
+    ids = torch.zeros(len(trees), width, dtype=torch.int64)
+    for r, tree in enumerate(trees):
+        parents[r, : tree.num_nodes + 1] = tree.parents_tensor()[0]
+        ids[r, : tree.num_nodes + 1] = tree.tokens_tensor()[0]
+    mask = plugins.tree_attention_mask(parents, torch.tensor(past_lengths, dtype=torch.int64))
+    return PackedTrees(parents, ids, mask.position_ids, mask.mask)

@@ -6,13 +6,22 @@ import random
 
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import golden_path, random_pair
 
 from dspark.models import load_pair
+from dspark.plugins import compose_full_mask
 from dspark.runtime.reference_decoder import RequestError, autoregressive_generate
-from dspark.runtime.tree_builder import DraftTree
+from dspark.runtime.tree_builder import DraftTree, build_tree
 from dspark.runtime.tree_decoder import tree_generate
-from dspark.runtime.tree_verifier import accept_tree, compact_kv_cache, path_features, run_tree, tree_inputs
+from dspark.runtime.tree_verifier import (
+    accept_tree,
+    compact_kv_cache,
+    pack_trees,
+    path_features,
+    run_tree,
+    tree_inputs,
+)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -117,3 +126,33 @@ def test_bad_requests_are_refused() -> None:
         tree_generate(target, drafter, [1, 2], max_new_tokens=4, num_nodes=-1)
     with pytest.raises(RequestError, match="prompt is empty"):
         tree_generate(target, drafter, [], max_new_tokens=4, num_nodes=4)
+
+
+def test_packed_trees_verify_in_one_batched_forward_like_one_by_one() -> None:
+    """Two requests with different cache lengths and tree sizes, padded into one target call,
+    give each node the logits of its own single-request tree forward."""
+    target, drafter = random_pair(5, scale=8.0)
+    prompts, trees = [[4, 9, 2, 7, 1, 3], [8, 8, 5]], []
+    caches, singles = [], []
+    for prompt in prompts:
+        out = target(torch.tensor([prompt]), torch.arange(len(prompt))[None])
+        hidden = drafter.forward_backbone(
+            block_ids=torch.tensor([[2] + [drafter.config.mask_token_id] * 3]),
+            block_position_ids=torch.arange(len(prompt), len(prompt) + 4)[None],
+            context_features=out.context_features, context_position_ids=torch.arange(len(prompt))[None],
+        ).hidden[0]
+        trees.append(build_tree(drafter, hidden, 2, num_nodes=9 if len(prompt) == 6 else 4))
+        caches.append(out.present)
+        singles.append(run_tree(target, trees[-1], out.present, len(prompt)).logits[0])
+    past = [len(p) for p in prompts]
+    packed = pack_trees(trees, past)
+    capacity = max(past)
+    capacity_pad = [(0, 0, 0, capacity - n) for n in past]
+    cache = [tuple(torch.cat([F.pad(c[i][j], pad) for c, pad in zip(caches, capacity_pad, strict=True)])
+                   for j in (0, 1))
+             for i in range(len(caches[0]))]
+    mask = compose_full_mask(packed.tree_mask, torch.tensor(past), capacity)
+    logits = target(packed.input_ids, packed.position_ids, attention_mask=mask, past_key_values=cache).logits
+    for r, tree in enumerate(trees):
+        torch.testing.assert_close(logits[r, : tree.num_nodes + 1], singles[r], atol=1e-5, rtol=1e-5)
+    assert packed.parents[1, trees[1].num_nodes + 1 :].eq(-2).all()
