@@ -1,0 +1,152 @@
+"""ONNX Runtime engines end to end on the golden vanilla pair: build, engine.json, SPS sanity,
+--reprofile, the runtime driving an engine dir with its cost table and STS temperatures, the
+bucket picked for each verification call, and STS on real draft rounds."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from conftest import golden_path, load_json
+
+from dspark.engines import build as B
+from dspark.engines import load_engine
+from dspark.engines.calibration_data import collect_rounds
+from dspark.engines.manifest import read_engine_manifest
+from dspark.export.pipeline import export_pair
+from dspark.runtime.api import Runtime, RuntimeOptions
+from dspark.runtime.model_info import ModelInfo
+from dspark.runtime.ort_backend import OrtBackend
+from dspark.runtime.prefix_scheduler import SchedulerConfig
+from dspark.tools.build_engine_command import build_engine as build_engine_cli
+from dspark.tools.calibrate_command import calibrate as calibrate_cli
+
+SET = "qwen3-tiny-vanilla"
+BUCKETS = (1, 4, 16, 32)
+OPTIONS = B.BuildOptions(buckets=BUCKETS, max_batch_tokens=32, max_batch=4, max_seq_len=256, profile_past=32,
+                         warmup=1, repeats=3)
+
+
+@pytest.fixture(scope="module")
+def export_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("export")
+    export_pair(golden_path(SET, "target"), golden_path(SET, "drafter"), out, check=False)
+    return out
+
+
+@pytest.fixture(scope="module")
+def engine_dir(export_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("engine")
+    B.build_engine(export_dir, out, OPTIONS)
+    return out
+
+
+def test_engine_dir_layout_and_manifest(engine_dir, export_dir):
+    manifest = read_engine_manifest(engine_dir)  # schema-validated
+    assert manifest["backend"] == "onnxruntime" and manifest["buckets"] == list(BUCKETS)
+    assert manifest["limits"] == {"max_batch": 4, "max_seq_len": 256, "verify_width": 8, "max_batch_tokens": 32}
+    assert set(manifest["graphs"]) == set(json.loads((export_dir / "export.json").read_text())["graphs"])
+    engine = load_engine(engine_dir, verify_files=True)
+    assert engine.graph_path("target").is_file() and engine.contract_dir == engine_dir
+    assert manifest["session"]["graph_optimization_level"] == "all" and engine.intra_op_threads == 1
+    assert manifest["calibration"] is None and engine.confidence_temperatures is None
+
+
+def test_sps_table_sanity(engine_dir):
+    engine = load_engine(engine_dir)
+    for graph in ("target", "target_static"):
+        raw = engine.manifest["sps"]["tables"][graph]
+        assert raw["batches"] == [1, 2, 4] and raw["buckets"] == list(BUCKETS)
+        for r, row in zip(raw["batches"], raw["verify_seconds"], strict=True):
+            assert all((v is None) == (b < r) for b, v in zip(BUCKETS, row, strict=True))
+            assert all(0 < v < 1.0 for v in row if v is not None)
+        # 32 tokens in one row cost more than 1 token, whatever the machine's load
+        assert raw["verify_seconds"][0][-1] > raw["verify_seconds"][0][0]
+        table = engine.cost_table(graph)
+        for r in (1, 2, 3, 4):
+            costs = [table.seconds(r, b) for b in range(r, 33)]
+            assert costs == sorted(costs) and all(c > 0 for c in costs)
+        assert engine.sps(1, 1, graph) == pytest.approx(1 / table.seconds(1, 1))
+
+
+def test_reprofile_rewrites_only_the_table(engine_dir, tmp_path):
+    manifest = read_engine_manifest(engine_dir)
+    copy = tmp_path / "engine"
+    copy.mkdir()
+    for path in engine_dir.rglob("*"):
+        if path.is_file():
+            (copy / path.relative_to(engine_dir)).parent.mkdir(parents=True, exist_ok=True)
+            (copy / path.relative_to(engine_dir)).write_bytes(path.read_bytes())
+    stale = json.loads((copy / "engine.json").read_text())
+    stale["sps"]["tables"]["target"]["verify_seconds"][0][0] = 123.0
+    stale["sps"]["measured_at"] = "stale"
+    (copy / "engine.json").write_text(json.dumps(stale))
+    result = CliRunner().invoke(build_engine_cli, [manifest["export"]["dir"], "--out", str(copy), "--reprofile",
+                                                   "--repeats", "2", "--quiet"])
+    assert result.exit_code == 0, result.output
+    fresh = read_engine_manifest(copy)
+    assert fresh["sps"]["measured_at"] != "stale" and fresh["sps"]["tables"]["target"]["verify_seconds"][0][0] < 1
+    assert fresh["sps"]["repeats"] == 2
+    assert {k: v for k, v in fresh.items() if k != "sps"} == {k: v for k, v in manifest.items() if k != "sps"}
+
+
+class RecordingBackend(OrtBackend):
+    """Records the [R, T] shape of every target verification call."""
+
+    calls: list[tuple[int, int]]
+
+    def _run(self, graph, feeds):
+        if graph == "target":
+            self.calls.append(tuple(feeds["input_ids"].shape))
+        return super()._run(graph, feeds)
+
+
+def test_runtime_on_engine_dir_is_lossless_and_each_call_has_a_bucket(engine_dir):
+    engine = load_engine(engine_dir)
+    traces = load_json(golden_path(SET, "traces.json"))
+    backend = RecordingBackend(engine.contract_dir, intra_op_threads=engine.intra_op_threads)
+    backend.calls = []
+    options = RuntimeOptions(scheduler=SchedulerConfig("dspark"), kv_mode="concat", max_requests=4, max_seq_len=256)
+    runtime = Runtime(backend, ModelInfo.from_manifest(backend.manifest), options, engine.cost_model("concat"))
+    results = runtime.generate([s["prompt_ids"] for s in traces["samples"]], max_new_tokens=64)
+    for result, sample in zip(results, traces["samples"], strict=True):
+        assert result.tokens == sample["generated_ids"][:64]  # the golden greedy output: lossless
+    steps = [(r, t) for r, t in backend.calls if t <= 8]  # verification calls (prefill rows are longer)
+    assert steps
+    for r, t in steps:
+        k = engine.bucket_for(r * t)
+        assert BUCKETS[k] >= r * t and (k == 0 or BUCKETS[k - 1] < r * t)
+    assert Runtime.load(engine_dir, options, cost_model=engine.cost_model()).generate(
+        traces["samples"][1]["prompt_ids"], max_new_tokens=16)[0].tokens == traces["samples"][1]["generated_ids"][:16]
+
+
+def trace_windows() -> list[list[int]]:
+    """In-distribution prompts: 8-token windows over the golden prompts' greedy continuations."""
+    samples = load_json(golden_path(SET, "traces.json"))["samples"]
+    return [s["prompt_ids"][-4:] + s["generated_ids"][i : i + 4] for s in samples for i in range(0, 56, 4)]
+
+
+def test_sts_on_the_golden_drafter_lowers_ece(engine_dir, export_dir, tmp_path):
+    backend = OrtBackend(engine_dir, intra_op_threads=1)
+    info = ModelInfo.from_manifest(backend.manifest)
+    logits, accepted = collect_rounds(backend, info, trace_windows(), prompt_len=8, max_new_tokens=32)
+    assert logits.shape == (accepted.shape[0], 7) and accepted.min() >= 0 and accepted.max() <= 7
+    half = len(accepted) // 2
+    result = B.fit_sts(logits[:half], accepted[:half])
+    assert np.mean(result.ece_after) < np.mean(result.ece_before)
+    held = B.evaluate(result, logits[half:], accepted[half:])
+    assert held["ece_after_mean"] < held["ece_before_mean"]
+    # the same through `dspark calibrate`, into engine.json and calibration.png
+    data = tmp_path / "data.txt"
+    data.write_text("\n".join(" ".join(map(str, p)) for p in trace_windows()))
+    copy = tmp_path / "engine"
+    B.build_engine(export_dir, copy, B.BuildOptions(buckets=(1, 8), max_batch_tokens=8, max_batch=2,
+                                                    max_seq_len=128, warmup=0, repeats=1))
+    out = CliRunner().invoke(calibrate_cli, [str(copy), str(data), "--prompt-len", "8", "--max-new-tokens", "32"])
+    assert out.exit_code == 0, out.output
+    cal = read_engine_manifest(copy)["calibration"]
+    assert len(cal["temperatures"]) == 7 and cal["ece_after_mean"] < cal["ece_before_mean"]
+    assert cal["holdout"]["samples"] > 0 and (copy / "calibration.png").is_file()
+    assert load_engine(copy).confidence_temperatures == tuple(cal["temperatures"])
