@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
@@ -159,7 +158,8 @@ def build_tree(
     expander = _Expander(drafter, hidden, anchor, mode, score_temperature, k)
     tree = DraftTree(parents=[-1], tokens=[anchor], depths=[0], scores=[1.0])
     expansions = [expander.expand(0, anchor, expander.initial_state)]
-    # Heap of (-log score, tie-break counter, parent node, child rank).
+    # Heap of (-score, tie-break counter, parent node, child rank); the key is the stored score
+    # itself, so the nodes come out exactly non-increasing (what node_budgets checks).
     heap: list[tuple[float, int, int, int]] = []
     counter = 0
 
@@ -168,7 +168,7 @@ def build_tree(
         expansion = expansions[parent]
         if rank < len(expansion.order) and expansion.probs[rank] > 0.0:
             score = tree.scores[parent] * expansion.probs[rank]
-            heapq.heappush(heap, (-math.log(score) if score > 0 else math.inf, counter, parent, rank))
+            heapq.heappush(heap, (-score, counter, parent, rank))
             counter += 1
 
     push(0, 0)
