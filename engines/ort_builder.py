@@ -56,6 +56,7 @@ def optimize_graph(source: Path, target: Path, *, level: str, threads: int, has_
     target.parent.mkdir(parents=True, exist_ok=True)
     external = f"{target.name}.data" if has_external_data else None
     options = session_options(level, threads, target, external)
+    options.log_severity_level = 3  # ORT warns that level-`all` graphs are hardware specific: documented above
     ort.InferenceSession(str(source), options, providers=["CPUExecutionProvider"])
     if not target.is_file():
         raise RuntimeError(f"onnxruntime did not write the optimized graph {target}")
