@@ -11,14 +11,15 @@ The SPS cost model is profiled at load (a few dozen real decode steps) unless on
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from dspark.engines import ENGINE_JSON, load_engine
 from dspark.models import load_pair
 
 from .backend import Backend
 from .batch_loop import Engine
-from .cost_model import StepCostModel
+from .cost_model import StepCost
 from .kv_cache import Capacity
 from .model_info import ModelInfo
 from .monitor import Monitor
@@ -43,7 +44,7 @@ class RuntimeOptions:
 
 class Runtime:
     def __init__(self, backend: Backend, info: ModelInfo, options: RuntimeOptions | None = None,
-                 cost_model: StepCostModel | None = None) -> None:
+                 cost_model: StepCost | None = None) -> None:
         options = options or RuntimeOptions()
         self.backend, self.info, self.options = backend, info, options
         if cost_model is None and options.scheduler.mode == "dspark":
@@ -54,17 +55,29 @@ class Runtime:
 
     @classmethod
     def load(cls, path: str | Path, options: RuntimeOptions | None = None, *,
-             threads: int = 1, cost_model: StepCostModel | None = None) -> Runtime:
-        """An export directory (export.json + ONNX graphs) on ONNX Runtime. `threads` is ORT's
-        intra-op thread count: 1 measured fastest on this shared 2-core CPU, where spinning
-        worker threads fight other processes."""
+             threads: int = 1, cost_model: StepCost | None = None) -> Runtime:
+        """An engine directory (engine.json: its measured SPS table and STS temperatures are used)
+        or a plain export directory (the cost model is profiled at start-up) on ONNX Runtime.
+        `threads` is ORT's intra-op thread count for export directories (1 measured fastest on a
+        shared 2-core CPU, where spinning worker threads fight other processes); an engine uses
+        the count its table was measured with."""
+        path = Path(path)
+        if (path / ENGINE_JSON).is_file():
+            engine = load_engine(path)
+            options = options or RuntimeOptions()
+            threads, path = engine.intra_op_threads, engine.contract_dir
+            if cost_model is None:
+                cost_model = engine.cost_model(options.kv_mode)
+            if options.scheduler.confidence_temperatures is None and engine.confidence_temperatures:
+                scheduler = replace(options.scheduler, confidence_temperatures=engine.confidence_temperatures)
+                options = replace(options, scheduler=scheduler)
         backend = OrtBackend(path, intra_op_threads=threads)
         return cls(backend, ModelInfo.from_manifest(backend.manifest), options, cost_model)
 
     @classmethod
     def from_checkpoints(cls, target_dir: str | Path, drafter_dir: str | Path,
                          options: RuntimeOptions | None = None, *,
-                         cost_model: StepCostModel | None = None) -> Runtime:
+                         cost_model: StepCost | None = None) -> Runtime:
         target, drafter = load_pair(target_dir, drafter_dir)
         return cls(TorchBackend(target, drafter), ModelInfo.from_models(target, drafter), options, cost_model)
 

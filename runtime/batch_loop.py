@@ -28,7 +28,7 @@ import torch
 from dspark.export import contract as C
 
 from .backend import Array, Backend, as_torch
-from .cost_model import StepCostModel
+from .cost_model import StepCost
 from .kv_cache import Admission, Capacity, SlotCache
 from .model_info import ModelInfo
 from .monitor import Monitor
@@ -78,7 +78,7 @@ class Engine:
         *,
         capacity: Capacity,
         scheduler: SchedulerConfig,
-        cost_model: StepCostModel | None = None,
+        cost_model: StepCost | None = None,
         monitor: Monitor | None = None,
         kv_mode: str = "static",
     ) -> None:

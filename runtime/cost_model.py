@@ -18,8 +18,18 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
+
+
+class StepCost(Protocol):
+    """What the scheduler needs: whole-step seconds at R requests and B verified tokens. The
+    fitted `StepCostModel` and an engine's measured table (`dspark.engines.CostTable`) both are."""
+
+    def seconds(self, requests: int, tokens: int) -> float: ...
+
+    def to_dict(self) -> dict[str, Any]: ...
 
 
 @dataclass(frozen=True)

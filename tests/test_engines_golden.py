@@ -5,6 +5,7 @@ bucket picked for each verification call, and STS on real draft rounds."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -120,6 +121,26 @@ def test_runtime_on_engine_dir_is_lossless_and_each_call_has_a_bucket(engine_dir
         assert BUCKETS[k] >= r * t and (k == 0 or BUCKETS[k - 1] < r * t)
     assert Runtime.load(engine_dir, options, cost_model=engine.cost_model()).generate(
         traces["samples"][1]["prompt_ids"], max_new_tokens=16)[0].tokens == traces["samples"][1]["generated_ids"][:16]
+
+
+def test_runtime_load_uses_the_engine_table_and_temperatures(engine_dir, tmp_path, monkeypatch):
+    import dspark.runtime.api as api
+
+    def no_profiling(*args, **kwargs):
+        raise AssertionError("an engine dir must not be re-profiled at start-up")
+
+    monkeypatch.setattr(api, "profile_step_cost", no_profiling)
+    calibrated = tmp_path / "engine"
+    shutil.copytree(engine_dir, calibrated)
+    manifest = json.loads((calibrated / "engine.json").read_text())
+    manifest["calibration"] = {"temperatures": [1.5] * 7, "ece_before": [0.2] * 7, "ece_after": [0.1] * 7}
+    (calibrated / "engine.json").write_text(json.dumps(manifest))
+    engine = load_engine(calibrated)
+    runtime = Runtime.load(calibrated, RuntimeOptions(max_requests=2, max_seq_len=128))
+    assert runtime.cost_model.to_dict() == engine.cost_model("concat").to_dict()
+    assert runtime.options.scheduler.confidence_temperatures == (1.5,) * 7
+    prompt = load_json(golden_path(SET, "traces.json"))["samples"][0]
+    assert runtime.generate(prompt["prompt_ids"], max_new_tokens=16)[0].tokens == prompt["generated_ids"][:16]
 
 
 def trace_windows() -> list[list[int]]:
