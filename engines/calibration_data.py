@@ -18,14 +18,12 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from dspark.runtime.backend import Backend
 from dspark.runtime.batch_loop import Engine as BatchEngine
 from dspark.runtime.kv_cache import Capacity
 from dspark.runtime.model_info import ModelInfo
 from dspark.runtime.prefix_scheduler import SchedulerConfig
-from dspark.runtime.proposer import DraftBlock
 
 from .export_source import BuildError
 
@@ -74,17 +72,6 @@ def _tokenizer(data: Path, tokenizer: str | Path | None):
     return lambda text: tok.encode(text).ids
 
 
-class _RecordingEngine(BatchEngine):
-    """The runtime's batch loop, keeping each step's draft confidences (rows in active order)."""
-
-    last_confidences: torch.Tensor | None = None
-
-    def _propose(self, hidden: torch.Tensor, base_logits: torch.Tensor | None) -> DraftBlock:
-        block = super()._propose(hidden, base_logits)
-        self.last_confidences = block.confidence_logits
-        return block
-
-
 def collect_rounds(
     backend: Backend,
     info: ModelInfo,
@@ -103,18 +90,17 @@ def collect_rounds(
     if bad:
         raise BuildError(f"calibration data has token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
     seq_len = prompt_len + max_new_tokens + info.block_size + 1
-    engine = _RecordingEngine(backend, info, capacity=Capacity(max_requests, max_requests * seq_len, seq_len),
+    engine = BatchEngine(backend, info, capacity=Capacity(max_requests, max_requests * seq_len, seq_len),
                               scheduler=SchedulerConfig("fixed"), kv_mode="concat")
     for prompt in prompts:
         engine.submit(prompt, max_new_tokens=max_new_tokens)
     confidences, accepted = [], []
     while not engine.idle:
         record = engine.step()
-        if record is None or engine.last_confidences is None:
+        if record is None or record.confidence_logits is None:
             continue
-        confidences.append(engine.last_confidences.double().numpy())
+        confidences.append(np.asarray(record.confidence_logits, dtype=np.float64))
         accepted.append(np.asarray(record.accepted) - 1)  # the bonus token is not a draft
-        engine.last_confidences = None
     if not confidences:
         raise BuildError("calibration produced no draft rounds (prompts too short or max_new_tokens too small)")
     return np.concatenate(confidences), np.concatenate(accepted)

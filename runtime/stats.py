@@ -51,6 +51,7 @@ class StepRecord:
     seconds: dict[str, float]  # phase -> wall seconds (prefill, draft, heads, schedule, verify, commit)
     cpu_percent: float | None = None
     gpu_percent: float | None = None
+    confidence_logits: list[list[float]] | None = None  # [R][γ] pre-sigmoid, rows in active order
 
     @property
     def total_seconds(self) -> float:
