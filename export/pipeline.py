@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -104,6 +105,9 @@ def check_options(dtype: str, opset: int) -> None:
         raise ExportError(f"--opset {opset} is out of range: supported opsets are {MIN_OPSET}..{MAX_OPSET}")
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
 def export_pair(
     target_dir: str | Path,
     drafter_dir: str | Path,
@@ -165,6 +169,10 @@ def export_pair(
         "export_seconds": round(time.perf_counter() - started, 3),
     }
     write_manifest(out_dir, manifest)
+    # The tokenizer travels with the graphs so `dspark generate --prompt TEXT` works on the export.
+    for name in TOKENIZER_FILES:
+        if (target_dir / name).is_file():
+            shutil.copyfile(target_dir / name, out_dir / name)
     return manifest
 
 

@@ -47,7 +47,7 @@ def test_generate_json_equals_target_greedy(scheduler):
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--prompt-ids", "1,2"], "give either --engine DIR or --target DIR --drafter DIR"),
+        (["--engine", "{t}", "--target", "{t}", "--prompt-ids", "1,2"], "not both"),
         (["--target", "{t}", "--prompt-ids", "1,2"], "--target needs --drafter"),
         (["--target", "{t}", "--drafter", "{d}"], "give exactly one of --prompt TEXT or --prompt-ids"),
         (["--target", "{t}", "--drafter", "{d}", "--prompt-ids", "1,x"], "expected comma-separated integers"),
@@ -61,3 +61,28 @@ def test_generate_refuses_bad_input(args, message):
     result = CliRunner().invoke(main, ["generate", *args, "--scheduler", "fixed"])
     assert result.exit_code == 2, result.output
     assert message in result.output
+
+
+def test_generate_without_engine_builds_the_demo_once_and_reuses_it(tmp_path, monkeypatch):
+    from dspark.tools import demo_engine
+
+    monkeypatch.setenv("DSPARK_CACHE", str(tmp_path))
+    runner = CliRunner()
+    first = runner.invoke(main, ["generate", "--prompt", "def parse_args(", "--max-new-tokens", "12", "--json"])
+    assert first.exit_code == 0, first.output
+    engine = demo_engine.demo_engine_dir(show_progress=False)
+    assert (engine / "engine.json").is_file() and (engine / "tokenizer.json").is_file()
+    assert engine.parent.parent == tmp_path
+
+    def no_rebuild(*args, **kwargs):
+        raise AssertionError("the cached demo engine must be reused")
+
+    monkeypatch.setattr("dspark.engines.build.build_engine", no_rebuild)
+    second = runner.invoke(main, ["generate", "--prompt", "def parse_args(", "--max-new-tokens", "12", "--json"])
+    assert second.exit_code == 0, second.output
+    ids = json.loads(second.output.strip().splitlines()[-1])["output_ids"]
+    target = TargetModel.from_pretrained(demo_engine.DEMO_TARGET)
+    from tokenizers import Tokenizer
+
+    prompt = Tokenizer.from_file(str(demo_engine.DEMO_TARGET / "tokenizer.json")).encode("def parse_args(").ids
+    assert ids == autoregressive_generate(target, prompt, max_new_tokens=12, stop_token_ids=target.config.eos_token_ids)

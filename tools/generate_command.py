@@ -18,7 +18,9 @@ def _parse_ids(text: str) -> list[int]:
 
 
 @click.command("generate")
-@click.option("--engine", "engine_dir", type=_DIR, help="Engine or dspark-export directory (ONNX Runtime).")
+@click.option("--engine", "engine_dir", type=_DIR,
+              help="Engine or dspark-export directory (ONNX Runtime). Default: the bundled demo pair, built "
+                   "into the user cache on first use.")
 @click.option("--target", "target_dir", type=_DIR, help="Target checkpoint (PyTorch reference backend).")
 @click.option("--drafter", "drafter_dir", type=_DIR, help="Drafter checkpoint (with --target).")
 @click.option("--prompt", help="Prompt text (needs tokenizer.json in the engine or target directory).")
@@ -43,12 +45,16 @@ def generate(engine_dir, target_dir, drafter_dir, prompt, prompt_ids, max_new_to
     from dspark.runtime.prefix_scheduler import SchedulerConfig
     from dspark.runtime.reference_decoder import RequestError
 
-    if (engine_dir is None) == (target_dir is None):
-        raise click.UsageError("give either --engine DIR or --target DIR --drafter DIR")
+    if engine_dir is not None and target_dir is not None:
+        raise click.UsageError("give either --engine DIR or --target DIR --drafter DIR, not both")
     if target_dir is not None and drafter_dir is None:
         raise click.UsageError("--target needs --drafter")
     if (prompt is None) == (prompt_ids is None):
         raise click.UsageError("give exactly one of --prompt TEXT or --prompt-ids 1,2,3")
+    if engine_dir is None and target_dir is None:
+        from dspark.tools.demo_engine import demo_engine_dir
+
+        engine_dir = str(demo_engine_dir())
     tokenizer = None
     if prompt is not None:
         path = Path(engine_dir or target_dir) / "tokenizer.json"

@@ -1,0 +1,62 @@
+"""The bundled demo pair as a ready engine: exported and built once into a user cache directory.
+
+`dspark generate` without `--engine` uses it. The cache key is the demo's own files (configs,
+weights, tokenizer) plus the dspark version, so a changed demo or dspark builds a new engine;
+a build that was interrupted lacks its completion marker and is rebuilt.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+from importlib import metadata
+from pathlib import Path
+
+import click
+
+import dspark.models
+
+DEMO_DIR = Path(dspark.models.__file__).resolve().parent / "demo"
+DEMO_TARGET, DEMO_DRAFTER = DEMO_DIR / "target", DEMO_DIR / "dspark"
+COMPLETE = "BUILD_COMPLETE"
+
+
+def cache_root() -> Path:
+    """$DSPARK_CACHE, else $XDG_CACHE_HOME/dspark, else ~/.cache/dspark."""
+    if os.environ.get("DSPARK_CACHE"):
+        return Path(os.environ["DSPARK_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "dspark"
+
+
+def _demo_key() -> str:
+    digest = hashlib.sha256(metadata.version("dspark").encode())
+    for folder in (DEMO_TARGET, DEMO_DRAFTER):
+        for path in sorted(folder.glob("*.json")) + sorted(folder.glob("*.safetensors")):
+            digest.update(path.name.encode())
+            digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def demo_engine_dir(show_progress: bool = True) -> Path:
+    """The demo engine's directory, building it first if this machine has none yet."""
+    if not (DEMO_TARGET / "config.json").is_file() or not (DEMO_DRAFTER / "config.json").is_file():
+        raise click.ClickException(f"the bundled demo pair is missing from {DEMO_DIR}; reinstall dspark")
+    root = cache_root() / f"demo-{_demo_key()}"
+    engine = root / "engine"
+    if (root / COMPLETE).is_file():
+        return engine
+    from dspark.engines.build import build_engine
+    from dspark.export import export_pair
+
+    shutil.rmtree(root, ignore_errors=True)
+    root.mkdir(parents=True)
+    def say(message: str) -> None:
+        if show_progress:
+            click.echo(message, err=True)
+
+    say(f"dspark: first use of the demo pair: exporting and building an engine in {root} (once) ...")
+    export_pair(DEMO_TARGET, DEMO_DRAFTER, root / "export", check=False, show_progress=show_progress)
+    build_engine(root / "export", engine, progress=lambda message: say(f"  {message}"))
+    (root / COMPLETE).write_text("ok\n")
+    return engine
