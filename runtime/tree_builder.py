@@ -46,12 +46,15 @@ class DraftTree:
     """One request's draft tree; N = draft nodes, node 0 is the root (the anchor).
 
     Nodes are in best-first order: scores are non-increasing and parents come before children.
+    A sampled tree (`sample_tree`) keeps the best-first tree's shape and scores, and records the
+    distribution each node's children were drawn from in `child_probs`.
     """
 
     parents: list[int]  # [N+1] parent node index; root -1
     tokens: list[int]  # [N+1] token of each node; node 0 holds the anchor
     depths: list[int]  # [N+1] root 0
     scores: list[float]  # [N+1] path product of draft probabilities (root 1.0)
+    child_probs: torch.Tensor | None = None  # [N+1, V] q_u of sampled trees; None: deterministic
 
     @property
     def num_nodes(self) -> int:
@@ -65,7 +68,8 @@ class DraftTree:
     def truncate(self, num_nodes: int) -> DraftTree:
         """The first `num_nodes` draft nodes (a valid tree: parents precede children)."""
         keep = num_nodes + 1
-        return DraftTree(self.parents[:keep], self.tokens[:keep], self.depths[:keep], self.scores[:keep])
+        probs = None if self.child_probs is None else self.child_probs[:keep]
+        return DraftTree(self.parents[:keep], self.tokens[:keep], self.depths[:keep], self.scores[:keep], probs)
 
     def parents_tensor(self) -> torch.Tensor:
         """[1, N+1] int64, the plugins' layout."""
@@ -117,13 +121,16 @@ class _Expander:
             hidden=self.hidden[depth : depth + 1], base_logits=self.base[depth : depth + 1], prev_ids=prev, state=state
         )
 
-    def expand(self, depth: int, token: int, state: torch.Tensor | None) -> _Expansion:
-        """Children of a node at `depth` holding `token`, whose path left the head in `state`."""
+    def child_logits(self, depth: int, token: int, state: torch.Tensor | None):
+        """-> logits [V] of the children of a node at `depth` holding `token`, whose path left the
+        head in `state`, and the state those children continue with."""
         if self.mode == "markov":
             logits, _, next_state = self._step(depth, torch.tensor([token]), state)
-            logits = logits[0]
-        else:
-            logits, next_state = self.chain_logits[depth], None
+            return logits[0], next_state
+        return self.chain_logits[depth], None
+
+    def expand(self, depth: int, token: int, state: torch.Tensor | None) -> _Expansion:
+        logits, next_state = self.child_logits(depth, token, state)
         probs = torch.softmax(logits.double() / self.score_temperature, dim=-1)
         top = torch.topk(probs, min(self.top_k, probs.shape[0]))
         return _Expansion(top.indices.tolist(), top.values.tolist(), next_state)
@@ -187,6 +194,43 @@ def build_tree(
         else:
             expansions.append(_Expansion([], [], None))  # slot γ-1 was the block's last
     return tree
+
+
+@torch.no_grad()
+def sample_tree(
+    drafter: DSparkDrafter,
+    hidden: torch.Tensor,  # [γ, H] backbone output of one request's block
+    shape: DraftTree,  # the topology, e.g. build_tree's (must not depend on this call's draws)
+    *,
+    temperature: float,
+    generator: torch.Generator | None = None,
+    mode: TreeMode = "markov",
+) -> DraftTree:
+    """Re-draw the tokens of a tree topology by sampling: node u's k children are k draws without
+    replacement from q_u = softmax(logits_u / temperature), in node order, where (markov mode)
+    q_u is conditioned on u's sampled token and path. TreeAcceptSampling's "without_replacement"
+    process then verifies it losslessly; unlike a deterministic tree it keeps chain drafting's
+    acceptance when q is close to the target at temperature > 0."""
+    if mode not in TREE_MODES:
+        raise TreeConfigError(f"tree mode must be one of {TREE_MODES}, got {mode!r}")
+    if not temperature > 0.0:
+        raise TreeConfigError(f"sampled trees need temperature > 0, got {temperature}")
+    anchor = shape.tokens[0]
+    expander = _Expander(drafter, hidden, anchor, mode, score_temperature=1.0, top_k=1)
+    children: list[list[int]] = [[] for _ in shape.parents]
+    for c in range(1, shape.num_nodes + 1):
+        children[shape.parents[c]].append(c)
+    tokens, states = [anchor] + [0] * shape.num_nodes, [expander.initial_state] * (shape.num_nodes + 1)
+    probs = torch.zeros(shape.num_nodes + 1, drafter.config.vocab_size, dtype=torch.float64)
+    for u in range(shape.num_nodes + 1):
+        if not children[u]:
+            continue
+        logits, state = expander.child_logits(shape.depths[u], tokens[u], states[u])
+        probs[u] = torch.softmax(logits.double() / temperature, dim=-1)
+        draws = torch.multinomial(probs[u], len(children[u]), replacement=False, generator=generator)
+        for c, token in zip(children[u], draws.tolist(), strict=True):
+            tokens[c], states[c] = token, state
+    return DraftTree(list(shape.parents), tokens, list(shape.depths), list(shape.scores), probs)
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 
@@ -19,8 +20,11 @@ from dspark.models import DSparkDrafter, TargetModel
 
 from .reference_decoder import RequestError, _truncate_at_stop, validate_request
 from .sampling import sample_token
-from .tree_builder import DraftTree, TreeMode, build_tree, node_budgets
+from .tree_builder import DraftTree, TreeMode, build_tree, node_budgets, sample_tree
 from .tree_verifier import accept_tree, compact_kv_cache, path_features, run_tree
+
+TreeDraw = Literal["best_first", "sampled"]
+TREE_DRAWS: tuple[str, ...] = ("best_first", "sampled")
 
 
 @dataclass
@@ -54,6 +58,7 @@ def tree_generate(
     max_new_tokens: int,
     num_nodes: int,
     mode: TreeMode = "markov",
+    draw: TreeDraw = "best_first",
     temperature: float = 0.0,
     seed: int = 0,
     score_temperature: float = 1.0,
@@ -66,7 +71,8 @@ def tree_generate(
 
     `num_nodes` draft nodes per round (root excluded); with `sps` (steps per second when
     verifying B tokens) the node scheduler (`node_budgets`) picks each round's budget, at most
-    `num_nodes`, by the trees' node scores. `observer`, if given, sees every round's stats and
+    `num_nodes`, by the trees' node scores. `draw="sampled"` (temperature > 0) keeps the
+    best-first tree's shape and samples its tokens (`sample_tree`). `observer`, if given, sees every round's stats and
     verified tree.
     """
     cfg = target.config
@@ -74,6 +80,10 @@ def tree_generate(
                      max_new_tokens=max_new_tokens, temperature=temperature)
     if num_nodes < 0:
         raise RequestError(f"num_nodes must be >= 0, got {num_nodes}")
+    if draw not in TREE_DRAWS:
+        raise RequestError(f"draw must be one of {TREE_DRAWS}, got {draw!r}")
+    if draw == "sampled" and temperature == 0.0:
+        raise RequestError("draw='sampled' needs temperature > 0 (greedy decoding uses best-first trees)")
     gamma = drafter.config.block_size
     generator = torch.Generator().manual_seed(seed)
     n = len(prompt_ids)
@@ -97,6 +107,9 @@ def tree_generate(
                           score_temperature=score_temperature, top_k=top_k)
         if sps is not None:
             tree = tree.truncate(node_budgets([tree.scores[1:]], sps, max_nodes=num_nodes).nodes[0])
+        if draw == "sampled":  # the shape is fixed before any token is drawn
+            tree = sample_tree(drafter, backbone.hidden[0], tree, temperature=temperature, generator=generator,
+                               mode=mode)
 
         verify = run_tree(target, tree, target_cache, start)
         verdict = accept_tree(tree, verify.logits[0], temperature=temperature, generator=generator,

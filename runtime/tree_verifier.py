@@ -4,8 +4,9 @@ The root is the anchor (the last committed token, not yet in the target's cache)
 at cache slot past + i and position past + depth(i), and attends to the filled cache and its
 own ancestors only (`dspark.plugins.tree_attention_mask` + `compose_full_mask`). Acceptance is
 `dspark.plugins.tree_accept_greedy` at temperature 0 and `tree_accept_sampling` otherwise, with
-one-hot draft rows: the best-first tree is a deterministic function of the drafter's outputs,
-which is what makes the multi-candidate rule lossless here (plugins/tree_accept/README.md).
+one-hot draft rows for best-first trees (a deterministic function of the drafter's outputs) and
+"without_replacement" rows for sampled trees (plugins/tree_accept/README.md): either makes the
+multi-candidate rule lossless.
 Afterwards the target cache keeps the accepted path's slots, in order, and the drafter is fed
 the context features of the same tokens.
 """
@@ -71,9 +72,15 @@ def accept_tree(
         )
     else:
         target_probs = probabilities(target_logits, temperature)[None].double()  # [1, N+1, V]
-        draft_probs = child_draft_probs(
-            parents=parents, draft_tokens=tokens, parent_probs=target_probs, process="deterministic"
-        )
+        if tree.child_probs is None:  # best-first: a deterministic function of the drafter's outputs
+            draft_probs = child_draft_probs(
+                parents=parents, draft_tokens=tokens, parent_probs=target_probs, process="deterministic"
+            )
+        else:  # sample_tree: children drawn one after another without replacement
+            draft_probs = child_draft_probs(
+                parents=parents, draft_tokens=tokens, parent_probs=tree.child_probs[None],
+                process="without_replacement",
+            )
         uniforms = torch.rand(1, tree.num_nodes + 1, generator=generator, dtype=torch.float64)
         result = plugins.tree_accept_sampling(
             parents=parents, draft_tokens=tokens, past_lengths=past, target_probs=target_probs,

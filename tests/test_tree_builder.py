@@ -6,7 +6,7 @@ import pytest
 import torch
 from conftest import random_pair
 
-from dspark.runtime.tree_builder import TreeConfigError, build_tree, node_budgets
+from dspark.runtime.tree_builder import TreeConfigError, build_tree, node_budgets, sample_tree
 
 V, GAMMA = 8, 3
 
@@ -30,11 +30,11 @@ def path_of(tree, node: int) -> list[int]:
 
 
 @torch.no_grad()
-def child_probs(drafter, hidden: torch.Tensor, prefix: list[int]) -> torch.Tensor:
+def child_probs(drafter, hidden: torch.Tensor, prefix: list[int], temperature: float = 1.0) -> torch.Tensor:
     """Draft distribution of the token after `prefix` = [anchor, t_1..t_d], by teacher forcing."""
     d = len(prefix) - 1
     logits, _ = drafter.teacher_forced_heads(hidden[None, : d + 1], torch.tensor([prefix]))
-    return torch.softmax(logits[0, d].double(), dim=-1)
+    return torch.softmax(logits[0, d].double() / temperature, dim=-1)
 
 
 def all_prefix_scores(drafter, hidden: torch.Tensor, anchor: int) -> dict[tuple[int, ...], float]:
@@ -157,3 +157,22 @@ def test_node_budget_admits_across_requests_by_survival() -> None:
 def test_node_budget_refuses_unordered_survivals() -> None:
     with pytest.raises(TreeConfigError, match="non-increasing"):
         node_budgets([[0.5, 0.6]], lambda b: 1.0)
+
+
+def test_sampled_tree_keeps_the_shape_and_draws_distinct_siblings() -> None:
+    drafter, hidden = small_drafter()
+    shape = build_tree(drafter, hidden, 1, num_nodes=12)
+    generator = torch.Generator().manual_seed(0)
+    # The scaled-up test drafter is very peaked: a high temperature makes the draws vary.
+    trees = [sample_tree(drafter, hidden, shape, temperature=30.0, generator=generator) for _ in range(20)]
+    for tree in trees:
+        assert tree.parents == shape.parents and tree.depths == shape.depths and tree.tokens[0] == 1
+        for u in range(tree.num_nodes + 1):
+            kids = [tree.tokens[c] for c in range(1, tree.num_nodes + 1) if tree.parents[c] == u]
+            assert len(set(kids)) == len(kids)
+            if kids:  # q_u is conditioned on u's own sampled token (markov mode)
+                prefix = [tree.tokens[i] for i in [0, *path_of(tree, u)]]
+                torch.testing.assert_close(tree.child_probs[u], child_probs(drafter, hidden, prefix, 30.0))
+    assert len({tuple(t.tokens) for t in trees}) > 1
+    with pytest.raises(TreeConfigError, match="temperature > 0"):
+        sample_tree(drafter, hidden, shape, temperature=0.0)

@@ -2,7 +2,8 @@
 
 Vocab 8, block 3, 6-node best-first trees: over fixed seeds, the 2nd and 3rd generated tokens (the
 first comes from the prefill; these come from tree rounds, through accepted nodes, rejections and
-bonus draws) are compared with their exact target probabilities by a chi-square test. A wrong
+bonus draws) are compared with their exact target probabilities by a chi-square test, for
+best-first trees (one-hot draft rows) and sampled trees (without-replacement rows). A wrong
 rule (declaring the deterministic tree's children as drawn i.i.d. from a uniform draft) must fail
 the same test.
 """
@@ -43,12 +44,12 @@ def exact_second_third(target) -> np.ndarray:
     return torch.einsum("a,ab,abc->bc", p1, p2, p3).numpy()
 
 
-def pvalue(target, drafter, trials: int) -> tuple[float, list[int]]:
+def pvalue(target, drafter, trials: int, draw: str = "best_first") -> tuple[float, list[int]]:
     """-> chi-square p-value, accepted draft nodes of every round."""
     counts, accepted = np.zeros((V, V)), []
     for seed in range(trials):
         tokens = tree_generate(target, drafter, PROMPT, max_new_tokens=3, num_nodes=6, temperature=1.0,
-                               seed=seed, observer=lambda s, _: accepted.append(s.accepted_drafts)).tokens
+                               draw=draw, seed=seed, observer=lambda s, _: accepted.append(s.accepted_drafts)).tokens
         counts[tokens[1], tokens[2]] += 1
     expected = exact_second_third(target).ravel() * trials
     observed = counts.ravel()
@@ -59,7 +60,7 @@ def pvalue(target, drafter, trials: int) -> tuple[float, list[int]]:
 
 
 def test_tree_sampling_matches_the_target_distribution(pair) -> None:
-    p, accepted = pvalue(*pair, trials=1200)
+    p, accepted = pvalue(*pair, trials=1000)
     assert p > 1e-3
     rates = np.bincount(accepted, minlength=3) / len(accepted)
     assert rates[0] > 0.05 and rates[1] > 0.05 and rates[2] > 0.005, f"acceptance mix {rates}"
@@ -72,3 +73,9 @@ def test_the_check_rejects_a_wrong_acceptance_rule(pair, monkeypatch) -> None:
 
     monkeypatch.setattr(tree_verifier, "child_draft_probs", uniform_iid)
     assert pvalue(*pair, trials=400)[0] < 1e-6
+
+
+def test_sampled_trees_match_the_target_distribution(pair) -> None:
+    p, accepted = pvalue(*pair, trials=600, draw="sampled")
+    assert p > 1e-3
+    assert np.mean(np.asarray(accepted) > 0) > 0.2, "sampled trees should accept drafts"
