@@ -10,6 +10,9 @@ mean accepted length (bonus included) and wall-clock tokens/s of:
   than the drafter's block;
 - `markov`: best-first trees whose children are conditioned on their parent token;
 - `marginals`: best-first trees over the per-position distributions of the greedy chain;
+- `sampled-markov`, `sampled-marginals` (temperature > 0 only): the best-first tree's shape with
+  its tokens drawn without replacement (`sample_tree`), children conditioned on the sampled parent
+  (markov) or not (marginals);
 - `markov+sched`: Markov trees with per-round budgets from the node scheduler (at most the
   largest N), with SPS(B) from the round times of the fixed-budget Markov runs at temperature 0;
 - `autoregressive`: target-only decoding.
@@ -140,6 +143,13 @@ def bench(
                     lambda p, s, t=temperature, n=n, m=mode: tree_generate(
                         target, drafter, p, max_new_tokens=new_tokens, num_nodes=n, mode=m, temperature=t, seed=s),
                     prompts, reference)
+            if temperature > 0.0:
+                for mode in ("markov", "marginals"):
+                    row[f"sampled-{mode}/{n}"] = run_method(
+                        lambda p, s, t=temperature, n=n, m=mode: tree_generate(
+                            target, drafter, p, max_new_tokens=new_tokens, num_nodes=n, mode=m, draw="sampled",
+                            temperature=t, seed=s),
+                        prompts, reference)
             click.echo(f"  T={temperature} N={n}: chain {row[f'chain/{n}']['mean_acceptance_length']}, "
                        f"markov {row[f'markov/{n}']['mean_acceptance_length']}, "
                        f"marginals {row[f'marginals/{n}']['mean_acceptance_length']}")
@@ -173,6 +183,12 @@ def table(results: dict[str, Any], budgets: Sequence[int]) -> str:
             lines.append(f"{n:>4} | {cells[0]['mean_acceptance_length']:>8.3f} {cells[0]['tokens_per_second']:>7.1f} | "
                          f"{cells[1]['mean_acceptance_length']:>9.3f} {cells[1]['tokens_per_second']:>7.1f} | "
                          f"{cells[2]['mean_acceptance_length']:>10.3f} {cells[2]['tokens_per_second']:>7.1f}")
+        if f"sampled-markov/{budgets[0]}" in row:
+            lines.append("sampled trees (best-first shape, tokens drawn without replacement):")
+            for n in budgets:
+                a, b = row[f"sampled-markov/{n}"], row[f"sampled-marginals/{n}"]
+                lines.append(f"{n:>4} | markov τ {a['mean_acceptance_length']:.3f} {a['tokens_per_second']:>7.1f} tok/s"
+                             f" | marginals τ {b['mean_acceptance_length']:.3f} {b['tokens_per_second']:>7.1f} tok/s")
         s = row["markov+sched"]
         lines.append(f"markov+sched (≤{max(budgets)} nodes, mean {s['mean_draft_nodes']}): "
                      f"τ {s['mean_acceptance_length']:.3f}, {s['tokens_per_second']} tok/s")
@@ -189,7 +205,10 @@ def plot(results: dict[str, Any], budgets: Sequence[int], path: Path) -> None:
     fig, axes = plt.subplots(len(rows), 2, figsize=(11, 4 * len(rows)), squeeze=False)
     for (left, right), key in zip(axes, rows, strict=True):
         row = results[key]
-        for method, style in (("chain", "s--"), ("markov", "o-"), ("marginals", "^-")):
+        methods = [("chain", "s--"), ("markov", "o-"), ("marginals", "^-")]
+        methods += [(m, st) for m, st in (("sampled-markov", "o:"), ("sampled-marginals", "^:"))
+                    if f"{m}/{budgets[0]}" in row]
+        for method, style in methods:
             left.plot(budgets, [row[f"{method}/{n}"]["mean_acceptance_length"] for n in budgets], style, label=method)
             right.plot(budgets, [row[f"{method}/{n}"]["tokens_per_second"] for n in budgets], style, label=method)
         right.axhline(row["autoregressive"]["tokens_per_second"], color="grey", linestyle=":", label="autoregressive")
