@@ -34,7 +34,7 @@ class Sizes:
     sweep_new_tokens: int
 
 
-QUICK = Sizes(prompts=4, prompt_len=48, new_tokens=64, concurrency=(1, 4, 16, 64), sweep_prompt_len=16,
+QUICK = Sizes(prompts=8, prompt_len=64, new_tokens=64, concurrency=(1, 4, 16, 64, 256), sweep_prompt_len=32,
               sweep_new_tokens=16)
 FULL = Sizes(prompts=8, prompt_len=64, new_tokens=128, concurrency=(1, 4, 16, 64, 256, 1024), sweep_prompt_len=32,
              sweep_new_tokens=32)
@@ -55,7 +55,7 @@ def _concurrency(text: str | None) -> tuple[int, ...] | None:
 @click.command("bench")
 @click.option("--out", "out", required=True, type=click.Path(file_okay=False, path_type=Path),
               help="Output directory: results.json, report.md, PNG plots, cache/.")
-@click.option("--quick", is_flag=True, help="Fewer prompts and tokens, sweep up to 64 requests.")
+@click.option("--quick", is_flag=True, help="Fewer tokens, sweep up to 256 requests (a few minutes on a laptop CPU).")
 @click.option("--engine", "engine", type=_DIR, help="Engine or dspark-export directory for our runtime.")
 @click.option("--target", "target", type=_DIR, help="Target checkpoint (default: the bundled demo pair).")
 @click.option("--drafter", "drafter", type=_DIR, help="DSpark drafter checkpoint (with --target).")
@@ -161,10 +161,8 @@ def run_bench(out: Path, sizes: Sizes, *, engine: Path | None, target: Path | No
                 systems += build()
             except peer_systems.PeerUnavailable as exc:
                 rows.append({"system": str(exc).split(":")[0], "runtime": "", "lossless": True, "status": str(exc)})
-    bar = tqdm(systems, desc="single stream", unit="system")
-    for system in bar:
-        bar.set_postfix_str(system.name)
-        rows.append(single_stream.run_system(system, prompts, sizes.new_tokens, reference))
+    tqdm.write(f"dspark bench: single stream, {len(systems)} systems: {', '.join(s.name for s in systems)}")
+    rows += single_stream.run_systems(systems, prompts, sizes.new_tokens, reference, progress=True)
     if reference is None:
         plain = next(r for r in rows if r["system"] == "dspark autoregressive")
         reference = plain["outputs"]

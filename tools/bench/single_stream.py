@@ -2,7 +2,8 @@
 
 Our runtime runs three ways on the same loaded graphs: the DSpark prefix scheduler, fixed draft
 lengths γ, and plain autoregressive decoding (scheduler `off`). Each system first decodes one
-short warm-up request (sessions created, caches allocated), then every prompt is timed. Every
+short warm-up request (sessions created, caches allocated); then each prompt is decoded by
+every system in turn, so drifting load on a shared machine hits all systems alike. Every
 lossless system must reproduce the target's greedy tokens: each is compared prompt by prompt
 against the reference and mismatches are reported (first differing position), not raised.
 """
@@ -13,6 +14,8 @@ from collections.abc import Callable, Sequence
 from importlib.metadata import version
 from pathlib import Path
 from typing import Any
+
+from tqdm import tqdm
 
 from dspark.runtime.api import Runtime, RuntimeOptions
 from dspark.runtime.prefix_scheduler import SchedulerConfig
@@ -74,20 +77,41 @@ def greedy_check(outputs: Sequence[Sequence[int]], reference: Sequence[Sequence[
     return {"equal": not mismatches, "mismatches": mismatches}
 
 
+def run_systems(systems: Sequence[System], prompts: Sequence[list[int]], max_new_tokens: int,
+                reference: Sequence[Sequence[int]] | None, *, progress: bool = False) -> list[dict[str, Any]]:
+    """Warm every system up, then time prompt by prompt, each prompt on every system in turn
+    (so a change in the shared machine's load hits all systems alike), then check greedy
+    equality. Unavailable peers and failures are the row's status, not the bench's end."""
+    rows = {s.name: {"system": s.name, "runtime": s.runtime, "lossless": s.lossless} for s in systems}
+    timelines: dict[str, list[Timeline]] = {s.name: [] for s in systems}
+    live = list(systems)
+
+    def attempt(system: System, prompt: list[int], new_tokens: int) -> Timeline | None:
+        try:
+            return system.generate(prompt, new_tokens)
+        except PeerUnavailable as exc:
+            rows[system.name]["status"] = str(exc)
+        except Exception as exc:  # a peer's own error: reported in the results, the bench goes on
+            rows[system.name]["status"] = f"failed: {type(exc).__name__}: {exc}"
+        live.remove(system)
+        return None
+
+    for system in list(live):
+        attempt(system, prompts[0], min(WARMUP_TOKENS, max_new_tokens))
+    for prompt in tqdm(prompts, desc="single stream", unit="prompt", disable=not progress):
+        for system in list(live):
+            timeline = attempt(system, prompt, max_new_tokens)
+            if timeline is not None:
+                timelines[system.name].append(timeline)
+    for system in live:
+        row = rows[system.name]
+        row.update(status="ok", **speed(timelines[system.name]))
+        row["outputs"] = [t.tokens for t in timelines[system.name]]
+        if reference is not None and system.lossless:
+            row["greedy_check"] = greedy_check(row["outputs"], reference)
+    return list(rows.values())
+
+
 def run_system(system: System, prompts: Sequence[list[int]], max_new_tokens: int,
                reference: Sequence[Sequence[int]] | None) -> dict[str, Any]:
-    """Warm up, time every prompt, check greedy equality. Unavailable peers and failures are
-    recorded as the row's status instead of stopping the bench."""
-    row: dict[str, Any] = {"system": system.name, "runtime": system.runtime, "lossless": system.lossless}
-    try:
-        system.generate(prompts[0], min(WARMUP_TOKENS, max_new_tokens))
-        timelines = [system.generate(p, max_new_tokens) for p in prompts]
-    except PeerUnavailable as exc:
-        return {**row, "status": str(exc)}
-    except Exception as exc:  # a peer's own error: reported in the results, the bench goes on
-        return {**row, "status": f"failed: {type(exc).__name__}: {exc}"}
-    row.update(status="ok", **speed(timelines))
-    row["outputs"] = [t.tokens for t in timelines]
-    if reference is not None and system.lossless:
-        row["greedy_check"] = greedy_check(row["outputs"], reference)
-    return row
+    return run_systems([system], prompts, max_new_tokens, reference)[0]
