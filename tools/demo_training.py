@@ -30,7 +30,7 @@ from dspark.models import DrafterConfig, DSparkDrafter, TargetConfig, TargetMode
 from dspark.models.drafter import SHARED_WITH_TARGET
 from dspark.models.loss import LossWeights, dspark_loss
 from dspark.models.training import target_training_features, training_forward
-from dspark.tools.corpus import EOS_TOKEN, MASK_TOKEN
+from dspark.tools.corpus import EOS_TOKEN, MASK_TOKEN, sample_windows
 
 
 @dataclass(frozen=True)
@@ -241,8 +241,6 @@ def run_steps(
 
 def windows(stream: torch.Tensor, schedule: Schedule) -> Iterator[torch.Tensor]:
     """Seeded random windows [batch, seq_len] of a token stream [N], one per step."""
-    from dspark.tools.corpus import sample_windows
-
     generator = torch.Generator().manual_seed(schedule.seed)
     while True:
         yield sample_windows(stream, batch=schedule.batch, length=schedule.seq_len, generator=generator)
