@@ -14,18 +14,21 @@ def test_tree_bench_writes_json_and_png(tmp_path) -> None:
     folder = golden_path("qwen3-tiny-vanilla")
     result = CliRunner().invoke(main, [
         "--target", str(folder / "target"), "--drafter", str(folder / "drafter"), "--out", str(tmp_path),
-        "--prompts", "1", "--new-tokens", "12", "--budgets", "2,8", "--temperatures", "0,1",
+        "--prompts", "1", "--calibration-prompts", "1", "--new-tokens", "12", "--budgets", "2,8",
+        "--temperatures", "0,1",
     ])
     assert result.exit_code == 0, result.output
     data = json.loads((tmp_path / "tree_bench.json").read_text())
     assert (tmp_path / "tree_bench.png").stat().st_size > 0
     for key in ("T=0", "T=1"):
         row = data[key]
-        for method in ("chain/2", "chain/8", "markov/2", "markov/8", "marginals/8", "markov+sched"):
+        for method in ("chain/2", "chain/8", "markov/2", "markov/8", "marginals/8", "markov-raw/8", "markov+sched"):
             assert row[method]["tokens"] == 12 and row[method]["mean_acceptance_length"] >= 1.0
         assert row["markov/8"]["mean_draft_nodes"] <= 8 and row["chain/2"]["mean_draft_nodes"] == 2
     assert data["T=1"]["sampled-markov/8"]["tokens"] == 12 and "sampled-markov/8" not in data["T=0"]
-    assert set(data["cost_table_seconds_per_round"]) == {"1", "3", "9"}
+    assert set(data["cost_table_cpu_seconds_per_round"]) == {"1", "3", "9"}
+    assert set(data["calibration"]) == {"T=0/best_first", "T=1/best_first", "T=1/sampled"}
+    assert data["T=1"]["markov+sched"]["draw"] == "sampled"
 
 
 def test_sps_interpolates_and_extrapolates_round_times() -> None:

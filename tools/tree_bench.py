@@ -26,6 +26,7 @@ output). Every run is checked against target-only greedy decoding at temperature
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections.abc import Callable, Sequence
 from importlib import resources
@@ -38,11 +39,12 @@ import torch
 
 from dspark.models import DSparkDrafter, TargetModel, load_pair
 from dspark.runtime.reference_decoder import autoregressive_generate, speculative_generate
-from dspark.runtime.tree_decoder import tree_generate
+from dspark.runtime.tree_decoder import TreeDraw, tree_generate
 
 DEMO = Path(str(resources.files("dspark.models") / "demo"))
 GOLDEN = Path(__file__).resolve().parents[2] / "shared" / "golden" / "qwen3-tiny-vanilla"
 SHIPPED = ("config.json", "model.safetensors")
+SCORE_TEMPERATURES = (1.0, 0.7, 0.5, 0.35)
 
 
 def pick_pair(target_dir: Path | None, drafter_dir: Path | None) -> tuple[str, Path, Path]:
@@ -79,9 +81,12 @@ def pick_prompts(target_dir: Path, count: int, length: int) -> list[list[int]]:
 def run_method(
     decode: Callable[[list[int], int], Any], prompts: Sequence[list[int]], greedy_reference: list[list[int]] | None
 ) -> dict[str, Any]:
-    """decode(prompt, seed) -> result with .tokens/.rounds (or a token list); time and summarise."""
+    """decode(prompt, seed) -> result with .tokens/.rounds (or a token list); time and summarise.
+
+    Both wall-clock and process CPU time are recorded: on a shared machine with one torch thread
+    the CPU time is the stable measure of the work done (wall time includes waiting for cores)."""
     acceptance, nodes, expected, tokens, rounds = [], [], [], 0, 0
-    began = time.perf_counter()
+    wall, cpu = time.perf_counter(), time.process_time()
     for i, prompt in enumerate(prompts):
         result = decode(prompt, i)
         out = result if isinstance(result, list) else result.tokens
@@ -94,12 +99,12 @@ def run_method(
             if hasattr(r, "expected_acceptance"):
                 expected.append(r.expected_acceptance)
         rounds += len(getattr(result, "rounds", []))
-    seconds = time.perf_counter() - began
-    summary = {"tokens": tokens, "seconds": round(seconds, 3), "tokens_per_second": round(tokens / seconds, 1)}
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    summary = {"tokens": tokens, "wall_seconds": round(wall, 3), "cpu_seconds": round(cpu, 3),
+               "tokens_per_second": round(tokens / wall, 1), "tokens_per_cpu_second": round(tokens / cpu, 1)}
     if rounds:
         summary.update(rounds=rounds, mean_acceptance_length=round(float(np.mean(acceptance)), 3),
-                       mean_draft_nodes=round(float(np.mean(nodes)), 2),
-                       seconds_per_round=seconds / rounds)
+                       mean_draft_nodes=round(float(np.mean(nodes)), 2), cpu_seconds_per_round=cpu / rounds)
     if expected:  # the builder's own estimate 1 + Σ node scores, to compare with the measured τ
         summary["mean_expected_acceptance"] = round(float(np.mean(expected)), 3)
     return summary
@@ -119,17 +124,47 @@ def sps_from_rounds(rounds_seconds: dict[int, float]) -> Callable[[int], float]:
     return sps
 
 
+def calibrate(
+    target: TargetModel, drafter: DSparkDrafter, prompts: list[list[int]], *, temperature: float, draw: TreeDraw,
+    new_tokens: int, nodes: int = 16,
+) -> tuple[float, list[dict[str, float]]]:
+    """The score temperature (from SCORE_TEMPERATURES) whose expected acceptance 1 + Σ node scores
+    is closest, in ratio, to the acceptance measured with it on `prompts` (16-node Markov trees)."""
+    rows = []
+    for st in SCORE_TEMPERATURES:
+        run = run_method(lambda p, s, st=st: tree_generate(
+            target, drafter, p, max_new_tokens=new_tokens, num_nodes=nodes, draw=draw, temperature=temperature,
+            score_temperature=st, seed=10_000 + s), prompts, None)
+        rows.append({"score_temperature": st, "measured": run["mean_acceptance_length"],
+                     "expected": run["mean_expected_acceptance"]})
+    best = min(rows, key=lambda r: abs(math.log(r["expected"] / r["measured"])))
+    return best["score_temperature"], rows
+
+
 def bench(
-    target: TargetModel, drafter: DSparkDrafter, prompts: list[list[int]], *, budgets: Sequence[int],
-    temperatures: Sequence[float], new_tokens: int,
+    target: TargetModel, drafter: DSparkDrafter, prompts: list[list[int]], calibration_prompts: list[list[int]],
+    *, budgets: Sequence[int], temperatures: Sequence[float], new_tokens: int,
 ) -> dict[str, Any]:
     gamma = drafter.config.block_size
-    results: dict[str, Any] = {}
+    results: dict[str, Any] = {"calibration": {}}
     sps = None
+
+    def trees(n: int, mode: str, draw: TreeDraw, temperature: float, st: float) -> Callable[[list[int], int], Any]:
+        return lambda p, s: tree_generate(target, drafter, p, max_new_tokens=new_tokens, num_nodes=n, mode=mode,
+                                          draw=draw, temperature=temperature, score_temperature=st, seed=s)
+
     for temperature in temperatures:
+        key = f"T={temperature:g}"
         reference = None
         if temperature == 0.0:
             reference = [autoregressive_generate(target, p, max_new_tokens=new_tokens) for p in prompts]
+        draws: list[TreeDraw] = ["best_first"] if temperature == 0.0 else ["best_first", "sampled"]
+        calibrated = {}
+        for draw in draws:
+            calibrated[draw], rows = calibrate(target, drafter, calibration_prompts, temperature=temperature,
+                                               draw=draw, new_tokens=new_tokens)
+            results["calibration"][f"{key}/{draw}"] = {"chosen": calibrated[draw], "grid": rows}
+            click.echo(f"  {key} {draw}: score temperature {calibrated[draw]} ({rows})")
         row: dict[str, Any] = {"autoregressive": run_method(
             lambda p, s, t=temperature: autoregressive_generate(target, p, max_new_tokens=new_tokens,
                                                                 temperature=t, seed=s), prompts, reference)}
@@ -138,60 +173,56 @@ def bench(
                 lambda p, s, t=temperature, n=n: speculative_generate(
                     target, drafter, p, max_new_tokens=new_tokens, temperature=t, seed=s, block_size=min(n, gamma)),
                 prompts, reference)
-            for mode in ("markov", "marginals"):
-                row[f"{mode}/{n}"] = run_method(
-                    lambda p, s, t=temperature, n=n, m=mode: tree_generate(
-                        target, drafter, p, max_new_tokens=new_tokens, num_nodes=n, mode=m, temperature=t, seed=s),
-                    prompts, reference)
-            if temperature > 0.0:
+            for draw in draws:
+                prefix = "" if draw == "best_first" else "sampled-"
                 for mode in ("markov", "marginals"):
-                    row[f"sampled-{mode}/{n}"] = run_method(
-                        lambda p, s, t=temperature, n=n, m=mode: tree_generate(
-                            target, drafter, p, max_new_tokens=new_tokens, num_nodes=n, mode=m, draw="sampled",
-                            temperature=t, seed=s),
-                        prompts, reference)
-            click.echo(f"  T={temperature} N={n}: chain {row[f'chain/{n}']['mean_acceptance_length']}, "
-                       f"markov {row[f'markov/{n}']['mean_acceptance_length']}, "
-                       f"marginals {row[f'marginals/{n}']['mean_acceptance_length']}")
-        if sps is None:
-            row["markov/0"] = run_method(
-                lambda p, s, t=temperature: tree_generate(target, drafter, p, max_new_tokens=new_tokens,
-                                                          num_nodes=0, temperature=t, seed=s), prompts, reference)
-            costs = {0: row["markov/0"]["seconds_per_round"]}
-            costs.update({n: row[f"markov/{n}"]["seconds_per_round"] for n in budgets})
+                    row[f"{prefix}{mode}/{n}"] = run_method(
+                        trees(n, mode, draw, temperature, calibrated[draw]), prompts, reference)
+            row[f"markov-raw/{n}"] = run_method(trees(n, "markov", "best_first", temperature, 1.0), prompts, reference)
+            click.echo(f"  {key} N={n}: " + ", ".join(
+                f"{m} {v['mean_acceptance_length']}" for m, v in row.items() if m.endswith(f"/{n}")))
+        headline: TreeDraw = draws[-1]
+        prefix = "" if headline == "best_first" else "sampled-"
+        if sps is None:  # SPS(B) from the CPU time per round of this temperature's headline trees
+            row["markov/0"] = run_method(trees(0, "markov", "best_first", temperature, 1.0), prompts, reference)
+            costs = {0: row["markov/0"]["cpu_seconds_per_round"]}
+            costs.update({n: row[f"{prefix}markov/{n}"]["cpu_seconds_per_round"] for n in budgets})
             sps = sps_from_rounds(costs)
-            results["cost_table_seconds_per_round"] = {str(n + 1): round(c, 5) for n, c in sorted(costs.items())}
+            results["cost_table_cpu_seconds_per_round"] = {str(n + 1): round(c, 5) for n, c in sorted(costs.items())}
         row["markov+sched"] = run_method(
-            lambda p, s, t=temperature, f=sps: tree_generate(target, drafter, p, max_new_tokens=new_tokens,
-                                                             num_nodes=max(budgets), temperature=t, seed=s, sps=f),
+            lambda p, s, t=temperature, f=sps, d=headline, st=calibrated[headline]: tree_generate(
+                target, drafter, p, max_new_tokens=new_tokens, num_nodes=max(budgets), draw=d, temperature=t,
+                score_temperature=st, seed=s, sps=f),
             prompts, reference)
-        results[f"T={temperature:g}"] = row
+        row["markov+sched"]["draw"] = headline
+        results[key] = row
     return results
 
 
+def methods_of(row: dict[str, Any], budgets: Sequence[int]) -> list[str]:
+    """Method names with a result at every budget, in insertion order."""
+    names = dict.fromkeys(k.rsplit("/", 1)[0] for k in row if "/" in k)
+    return [m for m in names if all(f"{m}/{n}" in row for n in budgets)]
+
+
 def table(results: dict[str, Any], budgets: Sequence[int]) -> str:
+    """Per temperature: mean accepted length τ and tokens per CPU-second for every method and budget."""
     lines = []
     for key, row in results.items():
         if not key.startswith("T="):
             continue
-        ar = row["autoregressive"]["tokens_per_second"]
-        lines.append(f"\n{key}   (autoregressive: {ar} tok/s)")
-        lines.append(f"{'N':>4} | {'chain τ':>8} {'tok/s':>7} | {'markov τ':>9} {'tok/s':>7} | "
-                     f"{'marginal τ':>10} {'tok/s':>7}")
+        ar = row["autoregressive"]
+        methods = methods_of(row, budgets)
+        lines.append(f"\n{key}: τ (mean accepted length, bonus incl.) / tokens per CPU-second; "
+                     f"autoregressive {ar['tokens_per_cpu_second']} tok/cpu-s")
+        lines.append(f"{'N':>4} | " + " | ".join(f"{m:>19}" for m in methods))
         for n in budgets:
-            cells = [row[f"{m}/{n}"] for m in ("chain", "markov", "marginals")]
-            lines.append(f"{n:>4} | {cells[0]['mean_acceptance_length']:>8.3f} {cells[0]['tokens_per_second']:>7.1f} | "
-                         f"{cells[1]['mean_acceptance_length']:>9.3f} {cells[1]['tokens_per_second']:>7.1f} | "
-                         f"{cells[2]['mean_acceptance_length']:>10.3f} {cells[2]['tokens_per_second']:>7.1f}")
-        if f"sampled-markov/{budgets[0]}" in row:
-            lines.append("sampled trees (best-first shape, tokens drawn without replacement):")
-            for n in budgets:
-                a, b = row[f"sampled-markov/{n}"], row[f"sampled-marginals/{n}"]
-                lines.append(f"{n:>4} | markov τ {a['mean_acceptance_length']:.3f} {a['tokens_per_second']:>7.1f} tok/s"
-                             f" | marginals τ {b['mean_acceptance_length']:.3f} {b['tokens_per_second']:>7.1f} tok/s")
-        s = row["markov+sched"]
-        lines.append(f"markov+sched (≤{max(budgets)} nodes, mean {s['mean_draft_nodes']}): "
-                     f"τ {s['mean_acceptance_length']:.3f}, {s['tokens_per_second']} tok/s")
+            cells = [row[f"{m}/{n}"] for m in methods]
+            lines.append(f"{n:>4} | " + " | ".join(
+                f"{c['mean_acceptance_length']:>9.3f} / {c['tokens_per_cpu_second']:>7.1f}" for c in cells))
+        sched = row["markov+sched"]
+        lines.append(f"markov+sched ({sched['draw']}, ≤{max(budgets)} nodes, mean {sched['mean_draft_nodes']} per "
+                     f"round): τ {sched['mean_acceptance_length']:.3f} / {sched['tokens_per_cpu_second']} tok/cpu-s")
     return "\n".join(lines)
 
 
@@ -202,24 +233,23 @@ def plot(results: dict[str, Any], budgets: Sequence[int], path: Path) -> None:
     from matplotlib import pyplot as plt
 
     rows = [k for k in results if k.startswith("T=")]
-    fig, axes = plt.subplots(len(rows), 2, figsize=(11, 4 * len(rows)), squeeze=False)
+    fig, axes = plt.subplots(len(rows), 2, figsize=(12, 4.3 * len(rows)), squeeze=False)
     for (left, right), key in zip(axes, rows, strict=True):
         row = results[key]
-        methods = [("chain", "s--"), ("markov", "o-"), ("marginals", "^-")]
-        methods += [(m, st) for m, st in (("sampled-markov", "o:"), ("sampled-marginals", "^:"))
-                    if f"{m}/{budgets[0]}" in row]
-        for method, style in methods:
-            left.plot(budgets, [row[f"{method}/{n}"]["mean_acceptance_length"] for n in budgets], style, label=method)
-            right.plot(budgets, [row[f"{method}/{n}"]["tokens_per_second"] for n in budgets], style, label=method)
-        right.axhline(row["autoregressive"]["tokens_per_second"], color="grey", linestyle=":", label="autoregressive")
+        for method in methods_of(row, budgets):
+            style = "s--" if method == "chain" else ("o:" if method.startswith("sampled") else "o-")
+            for ax, field in ((left, "mean_acceptance_length"), (right, "tokens_per_cpu_second")):
+                ax.plot(budgets, [row[f"{method}/{n}"][field] for n in budgets], style, label=method)
+        right.axhline(row["autoregressive"]["tokens_per_cpu_second"], color="grey", linestyle=":",
+                      label="autoregressive")
         sched = row["markov+sched"]
-        for ax, field in ((left, "mean_acceptance_length"), (right, "tokens_per_second")):
+        for ax, field in ((left, "mean_acceptance_length"), (right, "tokens_per_cpu_second")):
             ax.plot([sched["mean_draft_nodes"]], [sched[field]], "k*", markersize=11, label="markov+sched")
             ax.set_xscale("log", base=2)
             ax.set_xticks(list(budgets), [str(n) for n in budgets])
-            ax.legend(fontsize=8)
+            ax.legend(fontsize=7)
         left.set(xlabel="draft nodes per round", ylabel="mean accepted length (bonus incl.)", title=key)
-        right.set(xlabel="draft nodes per round", ylabel="tokens/s (wall clock)", title=key)
+        right.set(xlabel="draft nodes per round", ylabel="tokens per CPU-second (1 thread)", title=key)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -230,33 +260,38 @@ def plot(results: dict[str, Any], budgets: Sequence[int], path: Path) -> None:
 @click.option("--drafter", "drafter_dir", type=click.Path(path_type=Path, file_okay=False), default=None)
 @click.option("--out", type=click.Path(path_type=Path, file_okay=False), default=Path("build/tree_bench"))
 @click.option("--prompts", "num_prompts", type=int, default=8, show_default=True)
+@click.option("--calibration-prompts", type=int, default=3, show_default=True,
+              help="extra prompts (not measured) for fitting the score temperature")
 @click.option("--prompt-len", type=int, default=64, show_default=True)
 @click.option("--new-tokens", type=int, default=64, show_default=True)
 @click.option("--budgets", default="8,16,32,64", show_default=True)
 @click.option("--temperatures", default="0,1", show_default=True)
 @click.option("--threads", type=int, default=1, show_default=True, help="torch intra-op threads")
-def main(target_dir, drafter_dir, out, num_prompts, prompt_len, new_tokens, budgets, temperatures, threads) -> None:
+def main(**options: Any) -> None:
     previous_threads = torch.get_num_threads()
-    torch.set_num_threads(threads)
+    torch.set_num_threads(options["threads"])
     try:
-        _run(target_dir, drafter_dir, out, num_prompts, prompt_len, new_tokens, budgets, temperatures, threads)
+        _run(**options)
     finally:
         torch.set_num_threads(previous_threads)
 
 
-def _run(target_dir, drafter_dir, out, num_prompts, prompt_len, new_tokens, budgets, temperatures, threads) -> None:
+def _run(*, target_dir, drafter_dir, out, num_prompts, calibration_prompts, prompt_len, new_tokens, budgets,
+         temperatures, threads) -> None:
     budget_list = [int(b) for b in budgets.split(",")]
     temperature_list = [float(t) for t in temperatures.split(",")]
     description, target_path, drafter_path = pick_pair(target_dir, drafter_dir)
     click.echo(f"models: {description}")
     target, drafter = load_pair(target_path, drafter_path)
-    prompts = pick_prompts(target_path, num_prompts, prompt_len)
+    pool = pick_prompts(target_path, num_prompts + calibration_prompts, prompt_len)
+    prompts, held = pool[:num_prompts], pool[num_prompts:] or pool[:1]
     click.echo(f"{len(prompts)} prompts, {new_tokens} new tokens each, block size γ={drafter.config.block_size}, "
                f"{threads} thread(s)")
-    results = bench(target, drafter, prompts, budgets=budget_list, temperatures=temperature_list,
+    results = bench(target, drafter, prompts, held, budgets=budget_list, temperatures=temperature_list,
                     new_tokens=new_tokens)
     results["setup"] = {"models": description, "target": str(target_path), "drafter": str(drafter_path),
-                        "prompts": len(prompts), "prompt_lengths": [len(p) for p in prompts],
+                        "prompts": len(prompts), "calibration_prompts": len(held),
+                        "prompt_lengths": [len(p) for p in prompts],
                         "new_tokens": new_tokens, "block_size": drafter.config.block_size, "threads": threads,
                         "budgets": budget_list}
     click.echo(table(results, budget_list))
