@@ -40,6 +40,7 @@ def test_results_schema_and_plots(bench_out: Path) -> None:
         assert a["mean_acceptance_length"] >= 1.0
         assert len(a["conditional_acceptance"]) == a["block_size"] == 7
         assert all(p is None or 0.0 <= p <= 1.0 for p in a["conditional_acceptance"])
+        assert a["position_samples"][0] == a["rounds"] >= a["position_samples"][-1]
 
     rows = {r["system"]: r for r in results["single_stream"]["rows"]}
     ours = ["dspark scheduler", "dspark fixed γ=3", "dspark fixed γ=7", "dspark autoregressive"]

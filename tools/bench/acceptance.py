@@ -26,9 +26,12 @@ def drafter_acceptance(target: TargetModel, drafter: DSparkDrafter, prompts: Seq
     for prompt in prompts:
         rounds += speculative_generate(target, drafter, prompt, max_new_tokens=max_new_tokens,
                                        stop_token_ids=(stop,)).rounds
-    summary = summarize(rounds, drafter.config.block_size)
+    gamma = drafter.config.block_size
+    summary = summarize(rounds, gamma)
     summary.pop("confidence", None)  # calibration is `dspark train`'s report, not the bench's
-    return {"block_size": drafter.config.block_size, **summary}
+    # rounds whose drafts 1..k-1 were all accepted: the sample size behind position k's rate
+    summary["position_samples"] = [sum(r.accepted_drafts >= k - 1 for r in rounds) for k in range(1, gamma + 1)]
+    return {"block_size": gamma, **summary}
 
 
 def acceptance_study(target_dir: Path, target: TargetModel, dspark: DSparkDrafter, dflash_dir: Path | None,

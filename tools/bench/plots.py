@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 PLOTS = ("acceptance.png", "single_stream.png", "pareto.png", "budget.png")
+MIN_SAMPLES = 20  # fewer rounds reaching a position make its acceptance rate noise
 
 
 def _pyplot():
@@ -43,12 +44,12 @@ def acceptance_plot(acceptance: dict[str, Any], path: Path) -> Path | None:
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6, 3.6))
     for name, a in measured.items():
-        rates = a["conditional_acceptance"]
-        positions = [k + 1 for k, r in enumerate(rates) if r is not None]
-        ax.plot(positions, [r for r in rates if r is not None], marker="o",
+        kept = [(k + 1, r) for k, (r, n) in enumerate(zip(a["conditional_acceptance"], a["position_samples"],
+                                                            strict=True)) if r is not None and n >= MIN_SAMPLES]
+        ax.plot([k for k, _ in kept], [r for _, r in kept], marker="o",
                 label=f"{name} (τ = {a['mean_acceptance_length']:.2f})")
     ax.set(xlabel="draft position k", ylabel="P(accept k | 1..k-1 accepted)", ylim=(0, 1.02),
-           title="Position-wise conditional acceptance (greedy)")
+           title=f"Conditional acceptance (greedy; positions with ≥ {MIN_SAMPLES} samples)")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     return _save(fig, path)

@@ -24,9 +24,12 @@ def acceptance_table(acceptance: dict[str, Any]) -> str:
         if a.get("status") != "ok":
             rows.append([name, a["status"], None, *([None] * gamma)])
             continue
-        rates = a["conditional_acceptance"] + [None] * (gamma - len(a["conditional_acceptance"]))
-        rows.append([name, round(a["mean_acceptance_length"], 3), a["rounds"], *rates])
-    return _table(["drafter", "mean accepted length τ", "rounds", *(f"p{k}" for k in range(1, gamma + 1))], rows)
+        cells = [None if r is None else f"{r:.2f} ({n})"
+                 for r, n in zip(a["conditional_acceptance"], a["position_samples"], strict=True)]
+        rows.append([name, round(a["mean_acceptance_length"], 3), a["rounds"],
+                     *cells, *([None] * (gamma - len(cells)))])
+    return _table(["drafter", "mean accepted length τ", "rounds",
+                   *(f"p{k} (n)" for k in range(1, gamma + 1))], rows)
 
 
 def single_stream_table(rows: list[dict[str, Any]]) -> str:
