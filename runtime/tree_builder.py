@@ -146,10 +146,14 @@ def build_tree(
     mode: TreeMode = "markov",
     score_temperature: float = 1.0,
     top_k: int | None = None,
+    sps: Callable[[int], float] | None = None,
 ) -> DraftTree:
-    """Best-first draft tree of at most `num_nodes` draft nodes (fewer only if the block's depth and
+    """Best-first draft tree of at most `num_nodes` draft nodes (fewer if the block's depth and
     `top_k` children per node cannot hold that many). `score_temperature` calibrates the draft
-    probabilities used for scoring; `top_k` bounds the children per node (default: `num_nodes`)."""
+    probabilities used for scoring; `top_k` bounds the children per node (default: `num_nodes`).
+    With `sps` (steps/s at B verified tokens) the node scheduler runs while the tree grows: nodes
+    come out by non-increasing score, so stopping at the first node that does not raise τ·SPS(B)
+    gives exactly `node_budgets([scores], sps)` of the full tree, without expanding the rest."""
     if mode not in TREE_MODES:
         raise TreeConfigError(f"tree mode must be one of {TREE_MODES}, got {mode!r}")
     if num_nodes < 0:
@@ -178,9 +182,12 @@ def build_tree(
             heapq.heappush(heap, (-score, counter, parent, rank))
             counter += 1
 
+    rule = None if sps is None else ThroughputRule(1, sps)
     push(0, 0)
     while heap and tree.num_nodes < num_nodes:
-        _, _, parent, rank = heapq.heappop(heap)
+        key, _, parent, rank = heapq.heappop(heap)
+        if rule is not None and not rule.admit(-key):
+            break
         expansion = expansions[parent]
         node = len(tree.parents)
         tree.parents.append(parent)
@@ -275,14 +282,27 @@ def node_budgets(
         key=lambda c: (-c[0], c[1], c[2]),
     )
     nodes = [0] * requests
-    tokens, tau = requests, float(requests)
-    best = tau * sps(tokens) if requests else 0.0
+    rule = ThroughputRule(requests, sps)
     considered = 0
     for a, r, i in candidates:
         considered += 1
-        theta = (tau + a) * sps(tokens + 1)
-        if theta <= best:
+        if not rule.admit(a):
             break
-        best, tau, tokens = theta, tau + a, tokens + 1
         nodes[r] = i + 1
-    return NodeBudget(tuple(nodes), tau, best, considered)
+    return NodeBudget(tuple(nodes), rule.tau, rule.best, considered)
+
+
+class ThroughputRule:
+    """Algorithm 1's admission test: admit a candidate of survival `a` iff it raises Θ = τ·SPS(B);
+    the caller stops at the first refusal. Starts from B = R verified roots and τ = R."""
+
+    def __init__(self, requests: int, sps: Callable[[int], float]) -> None:
+        self.sps, self.tokens, self.tau = sps, requests, float(requests)
+        self.best = self.tau * sps(requests) if requests else 0.0
+
+    def admit(self, a: float) -> bool:
+        theta = (self.tau + a) * self.sps(self.tokens + 1)
+        if a <= 0.0 or theta <= self.best:
+            return False
+        self.best, self.tau, self.tokens = theta, self.tau + a, self.tokens + 1
+        return True

@@ -20,7 +20,7 @@ from dspark.models import DSparkDrafter, TargetModel
 
 from .reference_decoder import RequestError, _truncate_at_stop, validate_request
 from .sampling import sample_token
-from .tree_builder import DraftTree, TreeMode, build_tree, node_budgets, sample_tree
+from .tree_builder import DraftTree, TreeMode, build_tree, sample_tree
 from .tree_verifier import accept_tree, compact_kv_cache, path_features, run_tree
 
 TreeDraw = Literal["best_first", "sampled"]
@@ -70,8 +70,8 @@ def tree_generate(
     """Tree speculative decoding of one request.
 
     `num_nodes` draft nodes per round (root excluded); with `sps` (steps per second when
-    verifying B tokens) the node scheduler (`node_budgets`) picks each round's budget, at most
-    `num_nodes`, by the trees' node scores. `draw="sampled"` (temperature > 0) keeps the
+    verifying B tokens) the node scheduler (`node_budgets`'s rule, applied while the tree grows)
+    picks each round's budget, at most `num_nodes`, by the node scores. `draw="sampled"` (temperature > 0) keeps the
     best-first tree's shape and samples its tokens (`sample_tree`). `observer`, if given, sees every round's stats and
     verified tree.
     """
@@ -104,10 +104,8 @@ def tree_generate(
         )
         draft_cache, drafted_upto = backbone.present_context, start
         tree = build_tree(drafter, backbone.hidden[0], anchor, num_nodes=num_nodes, mode=mode,
-                          score_temperature=score_temperature, top_k=top_k)
-        if sps is not None:
-            tree = tree.truncate(node_budgets([tree.scores[1:]], sps, max_nodes=num_nodes).nodes[0])
-        if draw == "sampled":  # the shape is fixed before any token is drawn
+                          score_temperature=score_temperature, top_k=top_k, sps=sps)
+        if draw == "sampled":  # the shape (and its budget) is fixed before any token is drawn
             tree = sample_tree(drafter, backbone.hidden[0], tree, temperature=temperature, generator=generator,
                                mode=mode)
 

@@ -176,3 +176,18 @@ def test_sampled_tree_keeps_the_shape_and_draws_distinct_siblings() -> None:
     assert len({tuple(t.tokens) for t in trees}) > 1
     with pytest.raises(TreeConfigError, match="temperature > 0"):
         sample_tree(drafter, hidden, shape, temperature=0.0)
+
+
+@pytest.mark.parametrize("per_token", [0.01, 0.05, 0.2])
+def test_online_node_scheduler_equals_truncating_the_full_tree(per_token: float) -> None:
+    drafter, hidden = small_drafter(markov_scale=1.0)
+    hidden = hidden / 20.0  # flatter distributions: a spread of survivals
+
+    def sps(tokens: int) -> float:
+        return 1.0 / (1.0 + per_token * tokens)
+
+    full = build_tree(drafter, hidden, 3, num_nodes=30)
+    budget = node_budgets([full.scores[1:]], sps).nodes[0]
+    online = build_tree(drafter, hidden, 3, num_nodes=30, sps=sps)
+    assert 0 < budget < 30
+    assert online == full.truncate(budget)
