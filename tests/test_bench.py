@@ -58,7 +58,7 @@ def test_results_schema_and_plots(bench_out: Path) -> None:
     for name, runs in sweep.items():
         assert [r["concurrency"] for r in runs] == [1, 3]
         for r in runs:
-            assert r["tokens"] == r["concurrency"] * 6 or r["tokens"] <= r["concurrency"] * 6
+            assert 0 < r["tokens"] <= r["concurrency"] * 6  # a request may stop early at the stop token
             assert r["aggregate_tokens_per_second"] > 0 and r["same_tokens_as_autoregressive"], (name, r)
     assert sweep["autoregressive"][0]["mean_drafts_per_request_step"] == 0
     assert sweep["fixed γ=3"][0]["mean_drafts_per_request_step"] <= 3
