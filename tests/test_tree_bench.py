@@ -22,7 +22,7 @@ def test_tree_bench_writes_json_and_png(tmp_path) -> None:
     assert (tmp_path / "tree_bench.png").stat().st_size > 0
     for key in ("T=0", "T=1"):
         row = data[key]
-        for method in ("chain/2", "chain/8", "markov/2", "markov/8", "marginals/8", "markov-raw/8", "markov+sched"):
+        for method in ("chain/2", "chain/8", "markov/2", "markov/8", "marginals/8", "markov+sched"):
             assert row[method]["tokens"] == 12 and row[method]["mean_acceptance_length"] >= 1.0
         assert row["markov/8"]["mean_draft_nodes"] <= 8 and row["chain/2"]["mean_draft_nodes"] == 2
     assert data["T=1"]["sampled-markov/8"]["tokens"] == 12 and "sampled-markov/8" not in data["T=0"]
