@@ -234,6 +234,11 @@ def sample_tree(
             continue
         logits, state = expander.child_logits(shape.depths[u], tokens[u], states[u])
         probs[u] = torch.softmax(logits.double() / temperature, dim=-1)
+        if int((probs[u] > 0).sum()) < len(children[u]):
+            raise TreeConfigError(
+                f"node {u} has {len(children[u])} children but only {int((probs[u] > 0).sum())} tokens with "
+                f"positive probability at temperature {temperature}: sample a smaller tree or raise the temperature"
+            )
         draws = torch.multinomial(probs[u], len(children[u]), replacement=False, generator=generator)
         for c, token in zip(children[u], draws.tolist(), strict=True):
             tokens[c], states[c] = token, state
