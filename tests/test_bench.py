@@ -70,8 +70,9 @@ def test_results_schema_and_plots(bench_out: Path) -> None:
 
 
 def test_greedy_check_flags_a_wrong_system(bench_out: Path) -> None:
-    (export_dir,) = (bench_out / "cache").glob("export-*")
-    base = single_stream.load_runtime(export_dir, threads=1)
+    (engine_root,) = (bench_out / "cache").glob("engine-*")
+    engine_dir = engine_root / "engine"
+    base = single_stream.load_runtime(engine_dir, threads=1)
     right = next(s for s in single_stream.runtime_systems(base, stop=511, max_seq_len=128)
                  if s.name == "dspark autoregressive")
 
@@ -138,8 +139,9 @@ def test_markov_head_off_is_a_copy() -> None:
 def test_engine_without_checkpoints(bench_out: Path, tmp_path: Path) -> None:
     """--engine alone: acceptance and peers are skipped, greedy is checked against our own
     autoregressive decoding."""
-    (export_dir,) = (bench_out / "cache").glob("export-*")
-    args = ["--out", str(tmp_path), "--engine", str(export_dir), "--num-prompts", "1", "--prompt-len", "8",
+    (engine_root,) = (bench_out / "cache").glob("engine-*")
+    engine_dir = engine_root / "engine"
+    args = ["--out", str(tmp_path), "--engine", str(engine_dir), "--num-prompts", "1", "--prompt-len", "8",
             "--new-tokens", "8", "--concurrency", "2", "--sweep-new-tokens", "4"]
     result = CliRunner().invoke(bench, args, catch_exceptions=False)
     assert result.exit_code == 0, result.output

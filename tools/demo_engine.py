@@ -38,25 +38,30 @@ def _demo_key() -> str:
     return digest.hexdigest()[:16]
 
 
-def demo_engine_dir(show_progress: bool = True) -> Path:
-    """The demo engine's directory, building it first if this machine has none yet."""
-    if not (DEMO_TARGET / "config.json").is_file() or not (DEMO_DRAFTER / "config.json").is_file():
-        raise click.ClickException(f"the bundled demo pair is missing from {DEMO_DIR}; reinstall dspark")
-    root = cache_root() / f"demo-{_demo_key()}"
+def cached_engine(target_dir: Path, drafter_dir: Path, root: Path, show_progress: bool = True) -> Path:
+    """root/engine: the pair exported to root/export and built (ONNX Runtime, measured SPS table)
+    unless root already holds a completed build."""
     engine = root / "engine"
     if (root / COMPLETE).is_file():
         return engine
     from dspark.engines.build import build_engine
     from dspark.export import export_pair
 
-    shutil.rmtree(root, ignore_errors=True)
-    root.mkdir(parents=True)
     def say(message: str) -> None:
         if show_progress:
             click.echo(message, err=True)
 
-    say(f"dspark: first use of the demo pair: exporting and building an engine in {root} (once) ...")
-    export_pair(DEMO_TARGET, DEMO_DRAFTER, root / "export", check=False, show_progress=show_progress)
+    shutil.rmtree(root, ignore_errors=True)
+    root.mkdir(parents=True)
+    say(f"dspark: exporting and building an engine in {root} (once) ...")
+    export_pair(target_dir, drafter_dir, root / "export", check=False, show_progress=show_progress)
     build_engine(root / "export", engine, progress=lambda message: say(f"  {message}"))
     (root / COMPLETE).write_text("ok\n")
     return engine
+
+
+def demo_engine_dir(show_progress: bool = True) -> Path:
+    """The demo engine's directory, building it first if this machine has none yet."""
+    if not (DEMO_TARGET / "config.json").is_file() or not (DEMO_DRAFTER / "config.json").is_file():
+        raise click.ClickException(f"the bundled demo pair is missing from {DEMO_DIR}; reinstall dspark")
+    return cached_engine(DEMO_TARGET, DEMO_DRAFTER, cache_root() / f"demo-{_demo_key()}", show_progress)

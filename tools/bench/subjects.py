@@ -1,6 +1,6 @@
 """What a bench run measures: the model folders, the export the runtime loads, prompts, stop token.
 
-Without `--engine` the bench exports the pair itself into a cache folder under `--out`, keyed by
+Without `--engine` the bench exports the pair and builds an engine into a cache folder under `--out`, keyed by
 the checkpoint files' sizes and modification times, so a second run reuses it. With `--engine`
 the runtime loads that directory as given; the checkpoint folders (needed by the acceptance
 study and the peers, which run the Hugging Face target) then come only from `--target`,
@@ -66,17 +66,13 @@ def checkpoint_key(*folders: Path) -> str:
     return digest.hexdigest()[:16]
 
 
-def cached_export(target_dir: Path, drafter_dir: Path, cache: Path) -> Path:
-    """dspark-export of the pair into cache/export-<key>, reused when export.json is already there."""
-    from dspark.export import MANIFEST, export_pair
+def cached_engine_dir(target_dir: Path, drafter_dir: Path, cache: Path) -> Path:
+    """An ONNX Runtime engine of the pair under cache/ (built once): the runtime then schedules with
+    the engine's measured SPS table instead of a start-up profile."""
+    from dspark.tools.demo_engine import cached_engine
 
-    out = cache / f"export-{checkpoint_key(target_dir, drafter_dir)}"
-    if not (out / MANIFEST).is_file():
-        export_pair(target_dir, drafter_dir, out, check=False)
-    tokenizer = target_dir / "tokenizer.json"
-    if tokenizer.is_file() and not (out / "tokenizer.json").is_file():
-        (out / "tokenizer.json").write_bytes(tokenizer.read_bytes())
-    return out
+    root = cache / f"engine-{checkpoint_key(target_dir, drafter_dir)}"
+    return cached_engine(target_dir, drafter_dir, root, show_progress=False)
 
 
 def resolve(engine: Path | None, target: Path | None, drafter: Path | None, dflash: Path | None,
@@ -86,9 +82,9 @@ def resolve(engine: Path | None, target: Path | None, drafter: Path | None, dfla
     if engine is not None:
         return Subjects(engine, target, drafter, dflash, "engine")
     if target is not None:
-        return Subjects(cached_export(target, drafter, cache), target, drafter, dflash, "checkpoints")
+        return Subjects(cached_engine_dir(target, drafter, cache), target, drafter, dflash, "checkpoints")
     target, drafter, demo_dflash = demo_folders()
-    return Subjects(cached_export(target, drafter, cache), target, drafter, dflash or demo_dflash, "demo")
+    return Subjects(cached_engine_dir(target, drafter, cache), target, drafter, dflash or demo_dflash, "demo")
 
 
 def without_markov(drafter: DSparkDrafter) -> DSparkDrafter:
