@@ -29,10 +29,11 @@ from dspark.export import contract as C
 
 from .backend import Array, Backend, as_torch
 from .cost_model import StepCost
+from .drafting_gate import DraftingGate, SplitStepCost
 from .kv_cache import Admission, Capacity, SlotCache
 from .model_info import ModelInfo
 from .monitor import Monitor
-from .prefix_scheduler import SchedulerConfig, schedule
+from .prefix_scheduler import Decision, SchedulerConfig, schedule
 from .proposer import DraftBlock, propose_rows
 from .reference_decoder import RequestError, validate_request
 from .rejection import verify_chain
@@ -90,6 +91,8 @@ class Engine:
         self.kv_mode, self._target_graph = kv_mode, graph
         self.backend, self.info, self.scheduler = backend, info, scheduler
         self.cost_model, self.monitor = cost_model, monitor
+        self.gate = (DraftingGate(cost_model) if scheduler.mode == "dspark" and scheduler.gate_drafting
+                     and isinstance(cost_model, SplitStepCost) else None)
         self.admission = Admission(capacity)
         slots, length = capacity.max_requests, capacity.max_seq_len
         self.target_kv = SlotCache(info.target_cache, slots, length)
@@ -160,18 +163,25 @@ class Engine:
             return None
         rows = len(self.active)
         block = None
-        if self.scheduler.needs_drafts:
+        drafting = self.scheduler.needs_drafts and (self.gate is None or self.gate.should_draft(rows))
+        if drafting:
             hidden, base_logits = self._draft()
             begin = _phase(seconds, "draft", begin)
             block = self._propose(hidden, base_logits)
             begin = _phase(seconds, "heads", begin)
-        step_seconds = self.cost_model.seconds if self.cost_model else None
-        decision = schedule(self.scheduler, requests=rows, block_size=self.info.block_size,
-                            confidence_logits=None if block is None else block.confidence_logits,
-                            step_seconds=step_seconds)
+        if drafting or not self.scheduler.needs_drafts:
+            step_seconds = self.cost_model.seconds if self.cost_model else None
+            decision = schedule(self.scheduler, requests=rows, block_size=self.info.block_size,
+                                confidence_logits=None if block is None else block.confidence_logits,
+                                step_seconds=step_seconds)
+        else:
+            decision = Decision((0,) * rows, None, None, 0)
         begin = _phase(seconds, "schedule", begin)
         accepted, padded = self._verify(decision.lengths, block, seconds, begin)
         tokens = sum(1 + k for k in decision.lengths)
+        if self.gate is not None:
+            self.gate.record(drafted=drafting, requests=rows, expected_accepts=decision.expected_accepts,
+                             verified_tokens=tokens)
         load = self.monitor.sample() if self.monitor else None
         record = StepRecord(
             step=self._step, requests=rows, admitted_new=len(new), lengths=list(decision.lengths),
@@ -183,6 +193,7 @@ class Engine:
             gpu_percent=None if load is None else load.gpu_percent,
             confidence_logits=None if block is None or block.confidence_logits is None
             else block.confidence_logits.tolist(),
+            drafted=drafting,
         )
         self.stats.steps.append(record)
         self._retire()
@@ -324,8 +335,10 @@ class Engine:
             )
             n = verdict.accepted
             accepted.append(n + 1)
-            if self.scheduler.needs_drafts:
-                a.pending_context = out["context_features"][r, : n + 1]
+            if self.scheduler.needs_drafts:  # rows the drafter has not seen yet (several if it skipped)
+                new_context = out["context_features"][r, : n + 1]
+                a.pending_context = (new_context if a.pending_context is None
+                                     else torch.cat((a.pending_context, new_context)))
             a.result.tokens += [*ids[r, 1 : 1 + n].tolist(), verdict.bonus]
             a.result.acceptance_lengths.append(n + 1)
             a.result.proposal_lengths.append(k)

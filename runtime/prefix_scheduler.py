@@ -35,6 +35,7 @@ class SchedulerConfig:
     fixed_length: int | None = None  # `fixed`: draft tokens per request (None = the block size)
     threshold: float = 0.5  # `threshold`: per-slot σ(c) cut-off
     confidence_temperatures: tuple[float, ...] | None = None  # STS, one per block slot
+    gate_drafting: bool = True  # `dspark`: skip drafting when the cost table says it cannot pay
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:

@@ -52,6 +52,7 @@ class StepRecord:
     cpu_percent: float | None = None
     gpu_percent: float | None = None
     confidence_logits: list[list[float]] | None = None  # [R][γ] pre-sigmoid, rows in active order
+    drafted: bool = True  # False when the drafting gate judged drafting unprofitable this step
 
     @property
     def total_seconds(self) -> float:
