@@ -195,11 +195,11 @@ def build_tree(
         tree.depths.append(tree.depths[parent] + 1)
         tree.scores.append(tree.scores[parent] * expansion.probs[rank])
         push(parent, rank + 1)  # the next sibling becomes a candidate
-        if tree.depths[node] < gamma:
+        if tree.depths[node] < gamma and tree.num_nodes < num_nodes:
             expansions.append(expander.expand(tree.depths[node], tree.tokens[node], expansion.state))
             push(node, 0)
-        else:
-            expansions.append(_Expansion([], [], None))  # slot γ-1 was the block's last
+        else:  # a leaf: slot γ-1 was the block's last, or the budget is full
+            expansions.append(_Expansion([], [], None))
     return tree
 
 
