@@ -133,3 +133,25 @@ def pack_trees(trees: list[DraftTree], past_lengths: list[int]) -> PackedTrees:
         ids[r, : tree.num_nodes + 1] = tree.tokens_tensor()[0]
     mask = plugins.tree_attention_mask(parents, torch.tensor(past_lengths, dtype=torch.int64))
     return PackedTrees(parents, ids, mask.position_ids, mask.mask)
+
+
+def gather_accepted_kv(
+    present: KVCache,  # per layer [R, kvh, S, hd]: row r's tree node i at column offset + i
+    offset: int,
+    paths: list[list[int]],  # accepted node indices per row, root first
+) -> KVCache:
+    """Batched compaction: a copy of `present` whose row r holds its accepted path's entries at
+    columns offset .. offset + len(paths[r]) - 1, in path order, so a writer that commits
+    `counts[r] = len(paths[r])` contiguous entries from `offset` (the batched runtime's
+    `SlotCache.write`) keeps exactly the accepted nodes. Columns after a row's path are left as
+    they were."""
+    rows = torch.tensor([r for r, path in enumerate(paths) for _ in path], dtype=torch.int64)
+    dst = torch.tensor([offset + i for path in paths for i in range(len(path))], dtype=torch.int64)
+    src = torch.tensor([offset + node for path in paths for node in path], dtype=torch.int64)
+    out: KVCache = []
+    for k, v in present:
+        k, v = k.clone(), v.clone()
+        k[rows, :, dst] = k[rows, :, src]
+        v[rows, :, dst] = v[rows, :, src]
+        out.append((k, v))
+    return out

@@ -1,4 +1,5 @@
-"""Tree decoding: greedy equals target greedy; tree inputs; KV and drafter-context compaction."""
+"""Tree decoding: greedy equals target greedy; tree inputs; KV and drafter-context compaction;
+batched tree feeds and KV commits for the batched runtime."""
 
 from __future__ import annotations
 
@@ -11,12 +12,14 @@ from conftest import golden_path, random_pair
 
 from dspark.models import load_pair
 from dspark.plugins import compose_full_mask
+from dspark.runtime.kv_cache import CacheShape, SlotCache
 from dspark.runtime.reference_decoder import RequestError, autoregressive_generate
 from dspark.runtime.tree_builder import DraftTree, build_tree
 from dspark.runtime.tree_decoder import tree_generate
 from dspark.runtime.tree_verifier import (
     accept_tree,
     compact_kv_cache,
+    gather_accepted_kv,
     pack_trees,
     path_features,
     run_tree,
@@ -156,3 +159,19 @@ def test_packed_trees_verify_in_one_batched_forward_like_one_by_one() -> None:
     for r, tree in enumerate(trees):
         torch.testing.assert_close(logits[r, : tree.num_nodes + 1], singles[r], atol=1e-5, rtol=1e-5)
     assert packed.parents[1, trees[1].num_nodes + 1 :].eq(-2).all()
+
+
+def test_gathered_tree_kv_commits_the_accepted_paths_through_the_slot_cache() -> None:
+    """The batched runtime's SlotCache.write commits contiguous entries; after gather_accepted_kv
+    those are each row's accepted tree nodes, in path order."""
+    offset, paths, past = 6, [[0, 2, 5], [0, 1]], [5, 3]
+    present = [(torch.randn(2, 2, offset + 7, 4), torch.randn(2, 2, offset + 7, 4)) for _ in range(2)]
+    cache = SlotCache(CacheShape(layers=2, kv_heads=2, head_dim=4), slots=2, max_len=16)
+    cache.lengths = list(past)
+    cache.write(gather_accepted_kv(present, offset, paths), source_offset=offset, counts=[len(p) for p in paths])
+    assert cache.lengths == [8, 5]
+    for layer, (k, v) in enumerate(present):
+        for r, path in enumerate(paths):
+            for i, node in enumerate(path):
+                assert torch.equal(cache.keys[layer][r, :, past[r] + i], k[r, :, offset + node])
+                assert torch.equal(cache.values[layer][r, :, past[r] + i], v[r, :, offset + node])
