@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from collections.abc import Callable, Sequence
 from importlib import resources
@@ -42,7 +43,7 @@ from dspark.runtime.reference_decoder import autoregressive_generate, speculativ
 from dspark.runtime.tree_decoder import TreeDraw, tree_generate
 
 DEMO = Path(str(resources.files("dspark.models") / "demo"))
-GOLDEN = Path(__file__).resolve().parents[2] / "shared" / "golden" / "qwen3-tiny-vanilla"
+GOLDEN = Path(os.environ.get("DSPARK_GOLDEN", Path.cwd().parent / "shared" / "golden")) / "qwen3-tiny-vanilla"
 SHIPPED = ("config.json", "model.safetensors")
 SCORE_TEMPERATURES = (1.0, 0.7, 0.5, 0.35)
 
@@ -74,8 +75,13 @@ def pick_prompts(target_dir: Path, count: int, length: int) -> list[list[int]]:
         prompts = demo_eval.heldout_prompts(streams, per_module=max(1, -(-count // len(streams))),
                                             prompt_len=length)
         return prompts[:count]
-    traces = json.loads((GOLDEN / "traces.json").read_text())
-    return [s["prompt_ids"] for s in traces["samples"]][:count]
+    # No tokenizer (the golden pairs): their own traces' prompts, else seeded random ids.
+    traces_file = target_dir.parent / "traces.json"
+    if traces_file.is_file():
+        return [s["prompt_ids"] for s in json.loads(traces_file.read_text())["samples"]][:count]
+    vocab = json.loads((target_dir / "config.json").read_text())["vocab_size"]
+    generator = torch.Generator().manual_seed(0)
+    return [torch.randint(0, vocab, (length,), generator=generator).tolist() for _ in range(count)]
 
 
 def run_method(
