@@ -27,7 +27,13 @@ from dspark.runtime.prefix_scheduler import SchedulerConfig
 
 from .export_source import BuildError
 
-_IDS = re.compile(r"^\s*\d+(\s*[, ]\s*\d+)*\s*$")
+_ID_SEPARATORS = re.compile(r"[,\s]+")
+
+
+def _is_id_line(line: str) -> bool:
+    # A split instead of one regex over the line: a nested-quantifier pattern backtracks
+    # exponentially on long text lines full of numbers (code, tables).
+    return all(token.isdecimal() for token in _ID_SEPARATORS.split(line.strip()))
 
 
 def read_sequences(path: str | Path, tokenizer: str | Path | None = None) -> list[list[int]]:
@@ -49,8 +55,8 @@ def read_sequences(path: str | Path, tokenizer: str | Path | None = None) -> lis
                 item = item.get("ids", item.get("text"))
         if isinstance(item, list) and all(isinstance(t, int) for t in item):
             sequences.append(item)
-        elif isinstance(item, str) and _IDS.match(item):
-            sequences.append([int(t) for t in re.split(r"[,\s]+", item.strip())])
+        elif isinstance(item, str) and _is_id_line(item):
+            sequences.append([int(t) for t in _ID_SEPARATORS.split(item.strip())])
         elif isinstance(item, str):
             if encode is None:
                 encode = _tokenizer(path, tokenizer)

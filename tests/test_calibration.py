@@ -85,6 +85,11 @@ def test_read_sequences_formats(tmp_path):
     (tmp_path / "c.txt").write_text("def f(x):\n")
     with pytest.raises(BuildError, match="tokenizer.json is needed"):
         read_sequences(tmp_path / "c.txt")
+    # A text line full of numbers is text, and deciding so is immediate (a nested-quantifier regex
+    # used to backtrack exponentially on such lines).
+    (tmp_path / "e.txt").write_text(" ".join(str(i) for i in range(60)) + " = table(x)\n")
+    with pytest.raises(BuildError, match="tokenizer.json is needed"):
+        read_sequences(tmp_path / "e.txt")
     (tmp_path / "d.jsonl").write_text("{oops\n")
     with pytest.raises(BuildError, match=r"d.jsonl:1: not valid JSON"):
         read_sequences(tmp_path / "d.jsonl")
