@@ -87,7 +87,7 @@ def test_read_sequences_formats(tmp_path):
         read_sequences(tmp_path / "c.txt")
     # A text line full of numbers is text, and deciding so is immediate (a nested-quantifier regex
     # used to backtrack exponentially on such lines).
-    (tmp_path / "e.txt").write_text(" ".join(str(i) for i in range(60)) + " = table(x)\n")
+    (tmp_path / "e.txt").write_text("   ".join(str(i) for i in range(60)) + " = table(x)\n")
     with pytest.raises(BuildError, match="tokenizer.json is needed"):
         read_sequences(tmp_path / "e.txt")
     (tmp_path / "d.jsonl").write_text("{oops\n")
