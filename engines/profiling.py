@@ -15,31 +15,17 @@ import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime, timezone
-from statistics import median
 from typing import Any
 
 import numpy as np
 
 from dspark.export import contract as C
+from dspark.runtime.cost_model import time_median
 
 from .cost_table import CostTable
 from .feeds import random_feeds
 
 RunGraph = Callable[[str, Mapping[str, np.ndarray]], object]  # (graph, feeds) -> outputs
-
-
-def time_median(call: Callable[[], object], *, warmup: int, repeats: int) -> float:
-    """Median wall-clock seconds of `repeats` calls after `warmup` untimed calls."""
-    if repeats < 1:
-        raise ValueError(f"repeats must be >= 1, got {repeats}")
-    for _ in range(warmup):
-        call()
-    times = []
-    for _ in range(repeats):
-        begin = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - begin)
-    return median(times)
 
 
 def profile_batches(max_batch: int) -> tuple[int, ...]:

@@ -20,7 +20,7 @@ import torch
 from dspark.export import contract as C
 
 from .api import Runtime, RuntimeOptions
-from .cost_model import time_call
+from .cost_model import time_median
 from .ort_backend import OrtBackend
 from .prefix_scheduler import SchedulerConfig
 
@@ -56,7 +56,7 @@ def target_step_seconds(backend: OrtBackend, kv_mode: str, batch: int, past: int
         for name, buf in zip(C.kv_names(prefix, layers), slots, strict=True):
             buf[:, :, past : past + tokens] = torch.from_numpy(out[name][:, :, offset : offset + tokens])
 
-    return time_call(step, repeats=5)
+    return time_median(step, repeats=5)
 
 
 def kv_table(backend: OrtBackend) -> None:

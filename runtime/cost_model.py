@@ -56,12 +56,15 @@ class StepCostModel:
         return cls(*coef)
 
 
-def time_call(fn: Callable[[], object], repeats: int) -> float:
-    """Median wall-clock seconds of `repeats` calls after one warm-up call."""
-    fn()
+def time_median(call: Callable[[], object], *, warmup: int = 1, repeats: int) -> float:
+    """Median wall-clock seconds of `repeats` calls after `warmup` untimed calls."""
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    for _ in range(warmup):
+        call()
     times = []
     for _ in range(repeats):
         begin = time.perf_counter()
-        fn()
+        call()
         times.append(time.perf_counter() - begin)
     return sorted(times)[len(times) // 2]
