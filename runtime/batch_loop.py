@@ -28,7 +28,7 @@ import torch
 from dspark.export import contract as C
 
 from .backend import Array, Backend, as_torch
-from .cost_model import StepCost
+from .cost_model import StepCost, StepCostModel
 from .drafting_gate import DraftingGate, SplitStepCost
 from .kv_cache import Admission, Capacity, SlotCache
 from .model_info import ModelInfo
@@ -143,6 +143,15 @@ class Engine:
     @property
     def idle(self) -> bool:
         return not self.queue and not self.active
+
+    def refit_cost_model(self, last_steps: int = 64) -> StepCostModel:
+        """Refit Algorithm 1's step cost model t(R, B) on the last decode steps as actually timed
+        (prefill excluded), so current machine load reaches the scheduler. The drafting gate keeps
+        the engine's measured table."""
+        samples = [(s.requests, s.verified_tokens, s.total_seconds - s.seconds.get("prefill", 0.0))
+                   for s in self.stats.steps[-last_steps:] if s.requests and s.drafted]
+        self.cost_model = StepCostModel.fit(samples)
+        return self.cost_model
 
     def run_until_done(self) -> dict[int, RequestResult]:
         while not self.idle:

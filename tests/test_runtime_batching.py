@@ -133,3 +133,17 @@ def test_stop_token_ends_request_early():
     result = engine.run_until_done()[request]
     assert result.tokens == expected[: expected.index(stop) + 1]
     assert result.finish_reason == "stop"
+
+
+def test_refit_cost_model_uses_the_timed_steps():
+    target, drafter = random_pair(5, scale=6.0)
+    engine = make_engine(target, drafter, mode="dspark")
+    for n in (3, 9, 14, 6):
+        engine.submit(list(range(1, n + 1)), max_new_tokens=12)
+    engine.run_until_done()
+    refit = engine.refit_cost_model()
+    assert engine.cost_model is refit and refit is not COST
+    decode = [s for s in engine.stats.steps if s.requests]
+    mean_step = sum(s.total_seconds - s.seconds.get("prefill", 0.0) for s in decode) / len(decode)
+    mean_pred = sum(refit.seconds(s.requests, s.verified_tokens) for s in decode) / len(decode)
+    assert abs(mean_pred - mean_step) <= 0.5 * mean_step  # a least-squares fit tracks the measured mean
