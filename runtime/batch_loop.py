@@ -200,8 +200,7 @@ class Engine:
             seconds=seconds,
             cpu_percent=None if load is None else load.cpu_percent,
             gpu_percent=None if load is None else load.gpu_percent,
-            confidence_logits=None if block is None or block.confidence_logits is None
-            else block.confidence_logits.tolist(),
+            confidence_logits=None if block is None else block.confidence_logits,
             drafted=drafting,
         )
         self.stats.steps.append(record)

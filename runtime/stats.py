@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+import torch
+
 
 @dataclass
 class RequestResult:
@@ -51,7 +53,7 @@ class StepRecord:
     seconds: dict[str, float]  # phase -> wall seconds (prefill, draft, heads, schedule, verify, commit)
     cpu_percent: float | None = None
     gpu_percent: float | None = None
-    confidence_logits: list[list[float]] | None = None  # [R][γ] pre-sigmoid, rows in active order
+    confidence_logits: torch.Tensor | None = None  # [R, γ] pre-sigmoid, rows in active order
     drafted: bool = True  # False when the drafting gate judged drafting unprofitable this step
 
     @property
