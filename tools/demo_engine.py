@@ -1,7 +1,7 @@
 """The bundled demo pair as a ready engine: exported and built once into a user cache directory.
 
-`dspark generate` without `--engine` uses it. The cache key is the demo's own files (configs,
-weights, tokenizer) plus the dspark version, so a changed demo or dspark builds a new engine;
+`dspark generate` without `--engine` uses it. The cache key is the demo's files (names, sizes,
+modification times) plus the dspark version, so a changed demo or dspark builds a new engine;
 a build that was interrupted lacks its completion marker and is rebuilt.
 """
 
@@ -29,12 +29,15 @@ def cache_root() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "dspark"
 
 
-def _demo_key() -> str:
+def checkpoint_key(*folders: Path) -> str:
+    """Short digest of every file's name, size and mtime in the folders: a cache key that costs
+    a few stat calls, not a read of the weights."""
     digest = hashlib.sha256(metadata.version("dspark").encode())
-    for folder in (DEMO_TARGET, DEMO_DRAFTER):
-        for path in sorted(folder.glob("*.json")) + sorted(folder.glob("*.safetensors")):
-            digest.update(path.name.encode())
-            digest.update(path.read_bytes())
+    for folder in folders:
+        for path in sorted(folder.resolve().iterdir()):
+            if path.is_file():
+                stat = path.stat()
+                digest.update(f"{path}:{stat.st_size}:{stat.st_mtime_ns}\n".encode())
     return digest.hexdigest()[:16]
 
 
@@ -64,4 +67,5 @@ def demo_engine_dir(show_progress: bool = True) -> Path:
     """The demo engine's directory, building it first if this machine has none yet."""
     if not (DEMO_TARGET / "config.json").is_file() or not (DEMO_DRAFTER / "config.json").is_file():
         raise click.ClickException(f"the bundled demo pair is missing from {DEMO_DIR}; reinstall dspark")
-    return cached_engine(DEMO_TARGET, DEMO_DRAFTER, cache_root() / f"demo-{_demo_key()}", show_progress)
+    root = cache_root() / f"demo-{checkpoint_key(DEMO_TARGET, DEMO_DRAFTER)}"
+    return cached_engine(DEMO_TARGET, DEMO_DRAFTER, root, show_progress)

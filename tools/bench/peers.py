@@ -22,7 +22,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .subjects import checkpoint_key
+from dspark.tools.demo_engine import checkpoint_key
+
 from .timeline import System, Timeline
 
 INSTALL_HINT = "pip install 'dspark[bench]'"

@@ -10,7 +10,6 @@ study and the peers, which run the Hugging Face target) then come only from `--t
 from __future__ import annotations
 
 import copy
-import hashlib
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -55,21 +54,10 @@ def demo_folders() -> tuple[Path, Path, Path | None]:
     return target, dspark, dflash if (dflash / "config.json").is_file() else None
 
 
-def checkpoint_key(*folders: Path) -> str:
-    """Short digest of every file's name, size and mtime in the folders (the export cache key)."""
-    digest = hashlib.sha256()
-    for folder in folders:
-        for path in sorted(folder.resolve().iterdir()):
-            if path.is_file():
-                stat = path.stat()
-                digest.update(f"{path}:{stat.st_size}:{stat.st_mtime_ns}\n".encode())
-    return digest.hexdigest()[:16]
-
-
 def cached_engine_dir(target_dir: Path, drafter_dir: Path, cache: Path) -> Path:
     """An ONNX Runtime engine of the pair under cache/ (built once): the runtime then schedules with
     the engine's measured SPS table instead of a start-up profile."""
-    from dspark.tools.demo_engine import cached_engine
+    from dspark.tools.demo_engine import cached_engine, checkpoint_key
 
     root = cache / f"engine-{checkpoint_key(target_dir, drafter_dir)}"
     return cached_engine(target_dir, drafter_dir, root, show_progress=False)
