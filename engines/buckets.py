@@ -17,7 +17,7 @@ with opt_tokens = min(B_k, verify_width) and verify_width = 1 + γ (one anchor +
 The drafter graphs get one profile (the largest bucket's batch range): context_tokens 1..max_seq_len
 (opt 1 + γ), context_past like past, context_total and block_total summed the same way.
 Every call [R, T] with R·T ≤ B_k, R ≤ max_batch and T ≤ max_seq_len fits the profile of the
-smallest bucket ≥ R·T, which is how `bucket_for` picks it.
+smallest bucket ≥ R·T, which is how `dspark.export.engine_dir.bucket_for` picks it.
 """
 
 from __future__ import annotations
@@ -27,12 +27,9 @@ from dataclasses import dataclass
 from itertools import pairwise
 
 from dspark.export.contract import GraphSpec
+from dspark.export.engine_dir import BucketError
 
 DimRange = tuple[int, int, int]  # (min, opt, max)
-
-
-class BucketError(ValueError):
-    """A bucket list or limit that cannot be used (bad text, not increasing, out of range)."""
 
 
 def parse_buckets(text: str) -> tuple[int, ...]:
@@ -63,17 +60,6 @@ def plan_buckets(max_batch_tokens: int, buckets: Sequence[int] | None = None) ->
         planned.append(b)
         b *= 2
     return (*planned, max_batch_tokens)
-
-
-def bucket_for(tokens: int, buckets: Sequence[int]) -> int:
-    """Index of the smallest bucket holding `tokens` verified tokens."""
-    if tokens < 1:
-        raise BucketError(f"a step verifies at least 1 token, got {tokens}")
-    for index, bound in enumerate(buckets):
-        if tokens <= bound:
-            return index
-    raise BucketError(f"{tokens} tokens exceed the largest bucket {buckets[-1]}; rebuild with a larger "
-                      f"--max-batch-tokens or admit fewer tokens per step")
 
 
 @dataclass(frozen=True)

@@ -18,12 +18,22 @@ from typing import Any
 
 import numpy as np
 
+from dspark.export.artifacts import sha256
+from dspark.export.engine_dir import (
+    ENGINE_JSON,
+    FORMAT_VERSION,
+    KIND,
+    EngineDir,
+    load_engine_dir,
+    write_engine_manifest,
+)
+from dspark.export.manifest import graph_specs, read_manifest
+from dspark.runtime.backend_registry import backend_factory, open_backend
+
 from .buckets import BucketError, ShapeLimits, plan_buckets
 from .calibration import evaluate, fit_sts, reliability_diagram
 from .calibration_data import collect_rounds, read_sequences
-from .engine import load_engine
 from .export_source import BuildError, load_export
-from .manifest import ENGINE_JSON, FORMAT_VERSION, KIND, write_engine_manifest
 from .ort_builder import build_ort_graphs, session_section
 from .profiling import profile_batches, profile_section
 
@@ -81,7 +91,7 @@ def build_engine(export_dir: str | Path, out_dir: str | Path, options: BuildOpti
         raise BuildError(f"--out {out_dir} exists and is not a directory")
     manifest: dict[str, Any] = {
         "format_version": FORMAT_VERSION, "kind": KIND, "backend": options.backend,
-        "export": {"dir": str(export_dir.resolve()), "manifest_sha256": _sha(export_dir / "export.json"),
+        "export": {"dir": str(export_dir.resolve()), "manifest_sha256": sha256(export_dir / "export.json"),
                    "dtype": export["dtype"]},
         "limits": {"max_batch": limits.max_batch, "max_seq_len": limits.max_seq_len,
                    "verify_width": limits.verify_width, "max_batch_tokens": options.max_batch_tokens},
@@ -113,42 +123,25 @@ def build_engine(export_dir: str | Path, out_dir: str | Path, options: BuildOpti
     return manifest
 
 
-def _sha(path: Path) -> str:
-    from dspark.export.manifest import sha256
-
-    return sha256(path)
-
-
 def _profile(out_dir: Path, manifest: dict[str, Any], export: dict[str, Any], options: BuildOptions,
              progress: Progress) -> dict[str, Any]:
-    from dspark.runtime.ort_backend import spec_from_json
-
-    specs = {name: spec_from_json(name, entry) for name, entry in export["graphs"].items()}
+    specs = graph_specs(export)
     buckets, limits = tuple(manifest["buckets"]), manifest["limits"]
     batches = profile_batches(min(limits["max_batch"], buckets[-1]))
     past = min(options.profile_past, limits["max_seq_len"])
     common = dict(vocab_size=export["target"]["vocab_size"], block_size=export["drafter"]["block_size"],
                   batches=batches, buckets=buckets, past=past, warmup=options.warmup, repeats=options.repeats,
                   progress=progress)
-    if manifest["backend"] == "onnxruntime":
-        from dspark.runtime.ort_backend import OrtBackend
-
-        backend = OrtBackend(out_dir, intra_op_threads=manifest["session"]["intra_op_threads"])
+    # The backend the runtime will serve this engine with, so the table prices what will run.
+    with backend_factory(manifest["backend"])(EngineDir(out_dir, manifest)) as backend:
         backend.check_inputs = False
         return profile_section(backend.run, specs, **common)
-    from .trt_builder import TrtGraphs
-
-    graphs = TrtGraphs(out_dir, manifest["graphs"], buckets)
-    try:
-        return profile_section(graphs.run, specs, **common)
-    finally:
-        graphs.close()
 
 
 def reprofile(engine_dir: str | Path, *, warmup: int | None = None, repeats: int | None = None,
               progress: Progress = None) -> dict[str, Any]:
     """Measure the SPS table again on this machine and rewrite it in engine.json (nothing else changes)."""
-    engine = load_engine(engine_dir, verify_files=True)
+    engine = load_engine_dir(engine_dir, verify_files=True)
     manifest = engine.manifest
     export = load_export(manifest["export"]["dir"], verify_files=False)
     old = manifest["sps"]
@@ -172,26 +165,26 @@ def calibrate_engine(
 ) -> dict[str, Any]:
     """Fit STS on draft rounds over `data`, store it in engine.json and draw calibration.png."""
     from dspark.runtime.model_info import ModelInfo
-    from dspark.runtime.ort_backend import OrtBackend
 
-    engine = load_engine(engine_dir)
+    engine = load_engine_dir(engine_dir)
     manifest = engine.manifest
     tokenizer = tokenizer or _find_tokenizer(engine)
     sequences = read_sequences(data, tokenizer)
     if not 0.0 <= holdout_fraction < 1.0:
         raise BuildError(f"holdout fraction must lie in [0, 1), got {holdout_fraction}")
-    backend = OrtBackend(engine.contract_dir, intra_op_threads=engine.intra_op_threads)
-    info = ModelInfo.from_manifest(backend.manifest)
+    info = ModelInfo.from_manifest(read_manifest(engine.contract_dir))
     if progress:
         progress(f"calibrating on {len(sequences)} sequences")
     cut = len(sequences) - round(holdout_fraction * len(sequences))
     if cut < 1:
         raise BuildError(f"{data}: {len(sequences)} sequence(s) are too few to hold any out; add more data")
-    fit_rows = collect_rounds(backend, info, sequences[:cut], prompt_len=prompt_len, max_new_tokens=max_new_tokens)
-    result = fit_sts(*fit_rows)
-    if cut < len(sequences):
-        result.holdout = evaluate(result, *collect_rounds(backend, info, sequences[cut:], prompt_len=prompt_len,
-                                                          max_new_tokens=max_new_tokens))
+    with open_backend(engine) as backend:
+        fit_rows = collect_rounds(backend, info, sequences[:cut], prompt_len=prompt_len,
+                                  max_new_tokens=max_new_tokens)
+        result = fit_sts(*fit_rows)
+        if cut < len(sequences):
+            result.holdout = evaluate(result, *collect_rounds(backend, info, sequences[cut:], prompt_len=prompt_len,
+                                                              max_new_tokens=max_new_tokens))
     reliability_diagram(Path(engine_dir) / DIAGRAM, *fit_rows, result)
     manifest["calibration"] = {**result.to_dict(), "data": str(Path(data).resolve()), "sequences": len(sequences),
                                "fit_sequences": cut, "prompt_len": prompt_len, "max_new_tokens": max_new_tokens,

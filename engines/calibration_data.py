@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from dspark.runtime.backend import Backend
-from dspark.runtime.batch_loop import Engine as BatchEngine
+from dspark.runtime.batch_loop import BatchEngine
 from dspark.runtime.kv_cache import Capacity
 from dspark.runtime.model_info import ModelInfo
 from dspark.runtime.prefix_scheduler import SchedulerConfig

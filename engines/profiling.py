@@ -20,9 +20,9 @@ from typing import Any
 import numpy as np
 
 from dspark.export import contract as C
+from dspark.export.cost_table import CostTable
 from dspark.runtime.cost_model import time_median
 
-from .cost_table import CostTable
 from .feeds import random_feeds
 
 RunGraph = Callable[[str, Mapping[str, np.ndarray]], object]  # (graph, feeds) -> outputs

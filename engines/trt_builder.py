@@ -24,40 +24,18 @@ from typing import Any
 import numpy as np
 
 from dspark.export import contract as C
-from dspark.export.manifest import sha256
-from dspark.runtime.ort_backend import spec_from_json
+from dspark.export.artifacts import sha256
+from dspark.export.manifest import graph_specs
+from dspark.runtime.trt_backend import TARGET_GRAPHS, TensorRTUnavailable, import_tensorrt
 
-from .buckets import ShapeLimits, bucket_for, profile_shapes
+from .buckets import ShapeLimits, profile_shapes
 from .export_source import BuildError
 from .feeds import random_feeds
 from .profiling import target_sizes
 
-INSTALL_HINT = ('TensorRT is not installed: pip install "dspark[tensorrt]" '
-                "(needs an NVIDIA GPU with its driver; or build with --backend onnxruntime)")
 PLUGIN_LIBRARY = "libdspark_plugins_trt.so"
 TIMING_CACHE = "timing.cache"
 PLAN_DIR = "plans"
-TARGET_GRAPHS = (C.TARGET, C.TARGET_STATIC)
-
-
-class TensorRTUnavailable(BuildError):
-    """TensorRT (or Polygraphy) cannot be imported, or is too old."""
-
-
-def import_tensorrt() -> Any:
-    try:
-        import tensorrt as trt
-    except ImportError:
-        raise TensorRTUnavailable(INSTALL_HINT) from None
-    major = trt_major(trt.__version__)
-    if major < 10:
-        raise TensorRTUnavailable(f"TensorRT {trt.__version__} is too old: dspark needs TensorRT >= 10 "
-                                  f'(pip install "dspark[tensorrt]")')
-    return trt
-
-
-def trt_major(version: str) -> int:
-    return int(version.split(".")[0])
 
 
 def plugin_library_path() -> Path:
@@ -162,8 +140,9 @@ def build_trt(
     cache = out_dir / TIMING_CACHE
     vocab = export_manifest["target"]["vocab_size"]
     graphs, profiles, comparisons = {}, {}, []
+    specs = graph_specs(export_manifest)
     for name, entry in export_manifest["graphs"].items():
-        spec = spec_from_json(name, entry)
+        spec = specs[name]
         onnx_path = export_dir / entry["file"]
         shapes = graph_profiles(spec, buckets, limits)
         if progress:
@@ -188,33 +167,3 @@ def build_trt(
     section = {"version": trt.__version__, "strongly_typed": True, "plugin_library": library,
                "timing_cache": TIMING_CACHE, "profiles": profiles, "comparison": comparisons}
     return graphs, section
-
-
-class TrtGraphs:
-    """Run the built plans by graph name (Polygraphy TrtRunner, host arrays in and out), picking the
-    optimization profile of each target call's bucket: batch · tokens. Used for SPS profiling."""
-
-    def __init__(self, engine_dir: Path, graphs: Mapping[str, Any], buckets: tuple[int, ...]) -> None:
-        import_tensorrt()
-        from polygraphy.backend.trt import EngineFromBytes, TrtRunner
-
-        self.buckets = buckets
-        self._runners: dict[tuple[str, int], Any] = {}
-        for name, entry in graphs.items():
-            plan = (engine_dir / entry["file"]).read_bytes()
-            count = len(buckets) if name in TARGET_GRAPHS else 1
-            for k in range(count):
-                runner = TrtRunner(EngineFromBytes(plan), optimization_profile=k)
-                runner.activate()
-                self._runners[name, k] = runner
-
-    def run(self, graph: str, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        k = 0
-        if graph in TARGET_GRAPHS:
-            batch, tokens = feeds["input_ids"].shape
-            k = bucket_for(batch * tokens, self.buckets)
-        return self._runners[graph, k].infer(dict(feeds))
-
-    def close(self) -> None:
-        for runner in self._runners.values():
-            runner.deactivate()

@@ -1,20 +1,8 @@
-"""dspark.export: a target and its DSpark drafter -> ONNX graphs + export.json (see README.md)."""
+"""dspark.export: a target and its DSpark drafter -> ONNX graphs + export.json (see README.md).
 
-from .contract import BACKBONE, HEAD_GREEDY, HEAD_STEP, TARGET, TARGET_STATIC, GraphSpec, TensorSpec
-from .lower import ExportError
-from .manifest import MANIFEST, read_manifest
-from .pipeline import export_pair
-
-__all__ = [
-    "BACKBONE",
-    "HEAD_GREEDY",
-    "HEAD_STEP",
-    "MANIFEST",
-    "TARGET",
-    "TARGET_STATIC",
-    "ExportError",
-    "GraphSpec",
-    "TensorSpec",
-    "export_pair",
-    "read_manifest",
-]
+Two layers live here. The artifact contract, which the runtime reads and the builders write, is
+import-light: `contract` (graph names, I/O specs), `manifest` (export.json), `engine_dir`
+(engine.json, cost tables, buckets), `artifacts` (the one error type for bad files). The lowering
+itself (`pipeline.export_pair`, with onnx, tqdm and the parity sweep) is imported only by the
+commands that export, so `import dspark.runtime` never pulls it in.
+"""

@@ -1,24 +1,24 @@
-"""`export.json`: what the runtime needs to drive the exported graphs, next to them."""
+"""`export.json`: what the runtime needs to drive the exported graphs, next to them.
+
+Written by `dspark-export` (and, derived, by `dspark-build-engine` for ORT engines); read by the
+runtime and the builders through `read_manifest`, which checks the schema and raises ArtifactError
+naming the file and the field. `graph_specs` turns its graph entries into the contract's GraphSpecs.
+"""
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 from typing import Any
 
 from dspark.models import DrafterConfig, TargetConfig
 
+from .artifacts import ArtifactError, check_sha256, check_size, read_json_object, sha256
+from .contract import DTYPES, GraphSpec, TensorSpec
+
 MANIFEST = "export.json"
 FORMAT_VERSION = 1
-
-
-def sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
+REEXPORT = "re-run dspark-export"
 
 
 def file_entries(paths: list[Path], root: Path) -> list[dict[str, Any]]:
@@ -81,11 +81,88 @@ def write_manifest(out_dir: Path, manifest: dict[str, Any]) -> Path:
     return path
 
 
-def read_manifest(export_dir: str | Path) -> dict[str, Any]:
-    path = Path(export_dir) / MANIFEST
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing: {export_dir} is not a dspark-export output")
-    manifest = json.loads(path.read_text(encoding="utf-8"))
-    if manifest.get("format_version") != FORMAT_VERSION:
-        raise ValueError(f"{path}: format_version {manifest.get('format_version')} is not {FORMAT_VERSION}")
+def read_manifest(export_dir: str | Path, *, verify: str = "size") -> dict[str, Any]:
+    """export.json of `export_dir`, schema-checked. verify: "size" (each graph file present with its
+    recorded size: cheap), "sha256" (also hashed) or "none"."""
+    root = Path(export_dir)
+    path = root / MANIFEST
+    if not root.is_dir():
+        raise ArtifactError(root, "is not a directory", "give a dspark-export or dspark-build-engine output")
+    manifest = read_json_object(path, REEXPORT)
+    _validate(manifest, path)
+    if verify != "none":
+        for entry in manifest["graphs"].values():
+            for f in entry["files"]:
+                if verify == "sha256":
+                    check_sha256(root / f["path"], f["sha256"], REEXPORT)
+                else:
+                    check_size(root / f["path"], f["bytes"], REEXPORT)
     return manifest
+
+
+def graph_specs(manifest: dict[str, Any]) -> dict[str, GraphSpec]:
+    """{graph name: GraphSpec} from a checked manifest's graph entries."""
+    def tensors(items: list[dict]) -> tuple[TensorSpec, ...]:
+        return tuple(TensorSpec(t["name"], t["dtype"], tuple(t["dims"])) for t in items)
+
+    return {name: GraphSpec(name, tensors(e["inputs"]), tensors(e["outputs"]))
+            for name, e in manifest["graphs"].items()}
+
+
+_INT_FIELDS = {
+    "target": ("vocab_size", "hidden_size", "num_layers", "num_kv_heads", "head_dim", "max_position_embeddings",
+               "context_feature_size"),
+    "drafter": ("block_size", "mask_token_id", "num_layers", "num_kv_heads", "head_dim", "markov_rank"),
+}
+_REQUIRED_GRAPHS = ("target", "drafter_backbone")
+
+
+def _validate(manifest: dict[str, Any], path: Path) -> None:
+    def fail(problem: str) -> None:
+        raise ArtifactError(path, problem, REEXPORT)
+
+    if manifest.get("format_version") != FORMAT_VERSION:
+        fail(f"format_version {manifest.get('format_version')!r} is not {FORMAT_VERSION}")
+    if manifest.get("dtype") not in DTYPES:
+        fail(f"dtype {manifest.get('dtype')!r} is not one of {DTYPES}")
+    if not isinstance(manifest.get("lm_head_in_backbone"), bool):
+        fail("lm_head_in_backbone must be true or false")
+    for section, keys in _INT_FIELDS.items():
+        values = manifest.get(section)
+        if not isinstance(values, dict):
+            fail(f"no '{section}' object")
+        for key in keys:
+            if isinstance(values.get(key), bool) or not isinstance(values.get(key), int) or values[key] < 0:
+                fail(f"{section}.{key} must be a non-negative integer, got {values.get(key)!r}")
+    ids = manifest["target"].get("eos_token_ids")
+    if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
+        fail("target.eos_token_ids must be a list of integers")
+    drafter = manifest["drafter"]
+    if drafter.get("markov_head_type") not in (None, "vanilla", "gated", "rnn"):
+        fail(f"drafter.markov_head_type {drafter.get('markov_head_type')!r} is unknown")
+    if not isinstance(drafter.get("enable_confidence_head"), bool):
+        fail("drafter.enable_confidence_head must be true or false")
+    graphs = manifest.get("graphs")
+    if not isinstance(graphs, dict) or any(g not in graphs for g in _REQUIRED_GRAPHS):
+        fail(f"'graphs' must hold at least {list(_REQUIRED_GRAPHS)}")
+    for name, entry in graphs.items():
+        _validate_graph(name, entry, fail)
+
+
+def _validate_graph(name: str, entry: Any, fail) -> None:
+    if not isinstance(entry, dict) or not isinstance(entry.get("file"), str):
+        fail(f"graphs.{name} needs a 'file'")
+    for side in ("inputs", "outputs"):
+        items = entry.get(side)
+        if not isinstance(items, list) or not items or not all(
+            isinstance(t, dict) and isinstance(t.get("name"), str) and isinstance(t.get("dtype"), str)
+            and isinstance(t.get("dims"), list) and all(isinstance(d, int | str) for d in t["dims"])
+            for t in items
+        ):
+            fail(f"graphs.{name}.{side} must list tensors with name, dtype and dims")
+    files = entry.get("files")
+    if not isinstance(files, list) or not files or not all(
+        isinstance(f, dict) and isinstance(f.get("path"), str) and isinstance(f.get("bytes"), int)
+        and isinstance(f.get("sha256"), str) for f in files
+    ):
+        fail(f"graphs.{name}.files must list path, bytes and sha256 of each file")

@@ -1,6 +1,11 @@
 """The backend interface: run a named graph on named feeds (Polygraphy-style runner).
 
-Every backend (PyTorch reference, ONNX Runtime, later TensorRT) describes its graphs with the
+Lifecycle: construct (cheap, nothing loaded) → `open()` (sessions, plans or modules loaded; bad
+files raise ArtifactError here, not mid-decode) → `run(graph, feeds)` any number of times →
+`close()`. A backend is also a context manager. `runtime.backend_registry` picks the backend an
+engine directory names in engine.json.
+
+Every backend (PyTorch reference, ONNX Runtime, TensorRT) describes its graphs with the
 export contract's `GraphSpec`s (`dspark.export.contract`: names, dtypes, dims); `Backend.run`
 checks each feed against the spec (names, dtypes, ranks, fixed dims, and one size per symbolic
 dim across feeds) before dispatching, and times every call. Feeds and outputs are numpy arrays or
@@ -14,6 +19,7 @@ from abc import ABC, abstractmethod
 from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -21,6 +27,7 @@ import torch
 from dspark.export.contract import GraphSpec
 
 Array = np.ndarray | torch.Tensor
+B = TypeVar("B", bound="Backend")
 
 _NUMPY_NAMES = {"int64": "int64", "int32": "int32", "float32": "float32", "float16": "float16",
                 "bool": "bool", "bfloat16": "bfloat16"}
@@ -28,6 +35,10 @@ _NUMPY_NAMES = {"int64": "int64", "int32": "int32", "float32": "float32", "float
 
 class BackendError(RuntimeError):
     """A graph was called with feeds that do not match its metadata, or does not exist."""
+
+
+class BackendUnavailable(RuntimeError):
+    """The backend an engine needs cannot run here (package missing, too old, no device)."""
 
 
 def dtype_name(value: Array) -> str:
@@ -79,11 +90,42 @@ class CallTimes:
 
 
 class Backend(ABC):
-    """Run named graphs. Subclasses provide `specs` and `_run`; `run` checks and times."""
+    """Run named graphs. Subclasses provide `specs` and `_run`, and load what they run in `_open`;
+    `run` checks feeds and times every call."""
 
     def __init__(self) -> None:
         self.times = CallTimes()
         self.check_inputs = True
+        self._is_open = False
+
+    @property
+    def is_open(self) -> bool:
+        return self._is_open
+
+    def open(self: B) -> B:
+        if not self._is_open:
+            self._open()
+            self._is_open = True
+        return self
+
+    def close(self) -> None:
+        if self._is_open:
+            self._close()
+            self._is_open = False
+
+    def __enter__(self: B) -> B:
+        return self.open()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @abstractmethod
+    def _open(self) -> None:
+        """Load sessions, plans or modules."""
+
+    @abstractmethod
+    def _close(self) -> None:
+        """Release what `_open` loaded."""
 
     @property
     @abstractmethod
@@ -93,6 +135,8 @@ class Backend(ABC):
     def _run(self, graph: str, feeds: Mapping[str, Array]) -> dict[str, Array]: ...
 
     def run(self, graph: str, feeds: Mapping[str, Array]) -> dict[str, Array]:
+        if not self._is_open:
+            raise BackendError(f"{type(self).__name__} is not open: call open() (or use it in a with block) first")
         if graph not in self.specs:
             raise BackendError(f"no graph '{graph}' in this backend (has: {sorted(self.specs)})")
         if self.check_inputs:

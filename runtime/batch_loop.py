@@ -12,12 +12,14 @@ One `step()`:
              the rest), context features queued for the drafter; finished requests leave and
              free their slot between steps
 Semantics per request are exactly `reference_decoder.speculative_generate`'s.
+
+Memory stays bounded in a long-lived server: finished results wait in `finished` only until
+`take_finished()` / `take_result()` hands them off, and `stats` keeps a ring of recent steps.
 """
 
 from __future__ import annotations
 
 import itertools
-import operator
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -35,8 +37,8 @@ from .model_info import ModelInfo
 from .monitor import Monitor
 from .prefix_scheduler import Decision, SchedulerConfig, schedule
 from .proposer import DraftBlock, propose_rows
-from .reference_decoder import RequestError, validate_request
 from .rejection import verify_chain
+from .requests import find_stop, stop_set, validate_request
 from .sampling import sample_rows
 from .stats import EngineStats, RequestResult, StepRecord
 
@@ -50,6 +52,7 @@ class _Active:
     generator: torch.Generator | None
     start: int = 0  # anchor position = committed target KV length
     anchor: int = 0
+    scanned: int = 0  # output tokens already searched for a stop token
     pending_context: torch.Tensor | None = None  # [n, F] features of positions [ctx_len, start)
 
 
@@ -60,9 +63,10 @@ def _phase(seconds: dict[str, float], name: str, begin: float) -> float:
 
 
 KV_MODES = ("concat", "static")
+DEFAULT_KV_MODE = "concat"  # "static" pays off at long pasts and large batches (runtime.benchmark)
 
 
-class Engine:
+class BatchEngine:
     """Continuous batching over a `Backend` with the export contract's graphs.
 
     kv_mode `concat` feeds each step's past as [R, kvh, max start, hd] (a view here, a copy
@@ -81,7 +85,8 @@ class Engine:
         scheduler: SchedulerConfig,
         cost_model: StepCost | None = None,
         monitor: Monitor | None = None,
-        kv_mode: str = "static",
+        kv_mode: str = DEFAULT_KV_MODE,
+        step_history: int | None = 1024,
     ) -> None:
         if kv_mode not in KV_MODES:
             raise ValueError(f"kv_mode '{kv_mode}' is unknown; choose one of {KV_MODES}")
@@ -89,7 +94,7 @@ class Engine:
         if graph not in backend.specs:
             raise ValueError(f"kv_mode '{kv_mode}' needs the '{graph}' graph, which this backend lacks")
         self.kv_mode, self._target_graph = kv_mode, graph
-        self.backend, self.info, self.scheduler = backend, info, scheduler
+        self.backend, self.info, self.scheduler = backend.open(), info, scheduler  # its owner closes it
         self.cost_model, self.monitor = cost_model, monitor
         self.gate = (DraftingGate(cost_model) if scheduler.mode == "dspark" and scheduler.gate_drafting
                      and isinstance(cost_model, SplitStepCost) else None)
@@ -99,8 +104,8 @@ class Engine:
         self.drafter_kv = SlotCache(info.drafter_cache, slots, length)
         self.queue: deque[_Active] = deque()
         self.active: list[_Active] = []  # row r of both caches belongs to active[r]
-        self.finished: dict[int, RequestResult] = {}
-        self.stats = EngineStats()
+        self.finished: dict[int, RequestResult] = {}  # until handed off by take_finished / take_result
+        self.stats = EngineStats(history=step_history)
         self._ids = itertools.count()
         self._step = 0
 
@@ -116,15 +121,12 @@ class Engine:
     ) -> int:
         """Validate and queue a request; returns its id. Invalid requests raise RequestError or
         CapacityError here and never touch the engine's state."""
-        validate_request(prompt_ids, vocab_size=self.info.vocab_size, max_positions=self.info.max_positions,
-                         max_new_tokens=max_new_tokens, temperature=temperature)
-        stop = frozenset(operator.index(t) for t in stop_token_ids)
-        if any(not 0 <= t < self.info.vocab_size for t in stop):
-            raise RequestError(f"stop token ids must lie in [0, {self.info.vocab_size}): {sorted(stop)}")
-        self.admission.check_servable(self._need(len(prompt_ids), max_new_tokens))
+        prompt = validate_request(prompt_ids, vocab_size=self.info.vocab_size, max_positions=self.info.max_positions,
+                                  max_new_tokens=max_new_tokens, temperature=temperature)
+        stop = stop_set(stop_token_ids, self.info.vocab_size)
+        self.admission.check_servable(self._need(len(prompt), max_new_tokens))
         request_id = next(self._ids)
         generator = torch.Generator().manual_seed(seed) if temperature > 0 else None
-        prompt = [operator.index(t) for t in prompt_ids]
         result = RequestResult(request_id, prompt, [], submitted_step=self._step)
         self.queue.append(_Active(result, max_new_tokens, float(temperature), stop, generator))
         return request_id
@@ -144,19 +146,29 @@ class Engine:
     def idle(self) -> bool:
         return not self.queue and not self.active
 
+    def take_result(self, request_id: int) -> RequestResult | None:
+        """The finished result of one request, handed off (the engine forgets it), or None."""
+        return self.finished.pop(request_id, None)
+
+    def take_finished(self) -> dict[int, RequestResult]:
+        """Every finished result not yet handed off; the engine keeps none of them."""
+        done, self.finished = self.finished, {}
+        return done
+
     def refit_cost_model(self, last_steps: int = 64) -> StepCostModel:
         """Refit Algorithm 1's step cost model t(R, B) on the last decode steps as actually timed
         (prefill excluded), so current machine load reaches the scheduler. The drafting gate keeps
         the engine's measured table."""
         samples = [(s.requests, s.verified_tokens, s.total_seconds - s.seconds.get("prefill", 0.0))
-                   for s in self.stats.steps[-last_steps:] if s.requests and s.drafted]
+                   for s in self.stats.recent(last_steps) if s.requests and s.drafted]
         self.cost_model = StepCostModel.fit(samples)
         return self.cost_model
 
     def run_until_done(self) -> dict[int, RequestResult]:
+        """Step until idle; hands off every finished result."""
         while not self.idle:
             self.step()
-        return self.finished
+        return self.take_finished()
 
     # -- one step -----------------------------------------------------------------------------
     def step(self) -> StepRecord | None:
@@ -203,7 +215,7 @@ class Engine:
             confidence_logits=None if block is None else block.confidence_logits,
             drafted=drafting,
         )
-        self.stats.steps.append(record)
+        self.stats.record(record)
         self._retire()
         self._step += 1
         return record
@@ -362,7 +374,8 @@ class Engine:
         while r < len(self.active):
             a = self.active[r]
             tokens = a.result.tokens
-            hit = next((i for i, t in enumerate(tokens[: a.max_new_tokens]) if t in a.stop), None)
+            hit = find_stop(tokens, a.stop, a.scanned, a.max_new_tokens)
+            a.scanned = min(len(tokens), a.max_new_tokens)
             if hit is None and len(tokens) < a.max_new_tokens:
                 r += 1
                 continue

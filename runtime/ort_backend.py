@@ -1,7 +1,9 @@
-"""The ONNX Runtime backend: the graphs of a `dspark-export` directory, run through IO binding.
+"""The ONNX Runtime backend: the graphs of a `dspark-export` directory (or of an ORT engine
+directory, which holds a derived export.json over its optimized graphs), run through IO binding.
 
 Graph specs come from `export.json` (the export contract), so feeds are checked without
-opening the ONNX files. Each session is created on first use. Inputs are bound, not copied,
+opening the ONNX files. `open()` creates every session, so a truncated or garbage graph file
+is reported at load as an ArtifactError naming the file. Inputs are bound, not copied,
 when they are contiguous: a torch tensor shares its memory with the numpy view handed to
 ORT (`bind_cpu_input`), which is how the static-cache graph reads the runtime's slot buffers
 in place. Non-contiguous feeds (the concat graph's past, a slice of the slot buffers) are
@@ -18,16 +20,13 @@ import onnxruntime as ort
 import torch
 
 from dspark.export import contract as C
-from dspark.export.manifest import read_manifest
+from dspark.export.artifacts import ArtifactError
+from dspark.export.engine_dir import EngineDir
+from dspark.export.manifest import graph_specs, read_manifest
 
 from .backend import Array, Backend
 
-
-def spec_from_json(name: str, entry: dict) -> C.GraphSpec:
-    def tensors(items: list[dict]) -> tuple[C.TensorSpec, ...]:
-        return tuple(C.TensorSpec(t["name"], t["dtype"], tuple(t["dims"])) for t in items)
-
-    return C.GraphSpec(name, tensors(entry["inputs"]), tensors(entry["outputs"]))
+CPU = "CPUExecutionProvider"
 
 
 def as_numpy(value: Array) -> np.ndarray:
@@ -46,31 +45,46 @@ class OrtBackend(Backend):
         super().__init__()
         self.export_dir = Path(export_dir)
         self.manifest = read_manifest(self.export_dir)
-        if self.manifest["dtype"] != "float32":
-            raise ValueError(f"{export_dir}: the ORT CPU runtime runs float32 exports, this one is "
-                             f"{self.manifest['dtype']}; re-export with --dtype float32")
-        graphs = self.manifest["graphs"]
-        self._specs = {name: spec_from_json(name, entry) for name, entry in graphs.items()}
-        self._files = {name: self.export_dir / entry["file"] for name, entry in graphs.items()}
-        self.providers = providers or ["CPUExecutionProvider"]
+        if self.manifest["dtype"] != "float32" and (providers or [CPU]) == [CPU]:
+            raise ArtifactError(self.export_dir / "export.json", f"holds {self.manifest['dtype']} graphs, which "
+                                "ONNX Runtime's CPU provider cannot run", "re-export with --dtype float32")
+        self._specs = graph_specs(self.manifest)
+        self._files = {name: self.export_dir / entry["file"] for name, entry in self.manifest["graphs"].items()}
+        self.providers = providers or [CPU]
+        missing = [p for p in self.providers if p not in ort.get_available_providers()]
+        if missing:
+            raise ArtifactError(self.export_dir, f"needs ONNX Runtime providers {missing}, which this onnxruntime "
+                                f"{ort.__version__} lacks", "install onnxruntime-gpu for CUDA, or use the CPU")
         self.options = ort.SessionOptions()
         self.options.intra_op_num_threads = intra_op_threads
         self.options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         self._sessions: dict[str, ort.InferenceSession] = {}
 
+    @classmethod
+    def for_engine(cls, engine: EngineDir) -> OrtBackend:
+        session = engine.manifest.get("session", {})
+        return cls(engine.contract_dir, providers=session.get("providers"),
+                   intra_op_threads=engine.intra_op_threads)
+
     @property
     def specs(self) -> dict[str, C.GraphSpec]:
         return self._specs
 
-    def session(self, graph: str) -> ort.InferenceSession:
-        if graph not in self._sessions:
-            self._sessions[graph] = ort.InferenceSession(
-                str(self._files[graph]), self.options, providers=self.providers
-            )
-        return self._sessions[graph]
+    def _open(self) -> None:
+        for graph, path in self._files.items():
+            try:
+                self._sessions[graph] = ort.InferenceSession(str(path), self.options, providers=self.providers)
+            except Exception as exc:  # ORT raises its own pybind types (InvalidProtobuf, Fail, ...)
+                self._sessions.clear()
+                first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+                raise ArtifactError(path, f"ONNX Runtime cannot load it ({first})",
+                                    "re-run dspark-export / dspark-build-engine") from None
+
+    def _close(self) -> None:
+        self._sessions.clear()
 
     def _run(self, graph: str, feeds: Mapping[str, Array]) -> dict[str, Array]:
-        session = self.session(graph)
+        session = self._sessions[graph]
         binding = session.io_binding()
         keep = []  # numpy arrays must outlive the run
         for name in self._specs[graph].input_names:

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 
 from .backend import Backend
-from .batch_loop import Engine
+from .batch_loop import BatchEngine
 from .cost_model import StepCostModel
 from .kv_cache import Capacity
 from .model_info import ModelInfo
@@ -40,7 +40,7 @@ def profile_step_samples(
     samples = []
     for r in requests:
         for length in lengths:
-            engine = Engine(backend, info, capacity=Capacity(r, r * need, need),
+            engine = BatchEngine(backend, info, capacity=Capacity(r, r * need, need),
                             scheduler=SchedulerConfig("fixed", fixed_length=length), kv_mode=kv_mode)
             for _ in range(r):
                 prompt = torch.randint(0, info.vocab_size, (prompt_len,), generator=g).tolist()

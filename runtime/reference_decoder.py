@@ -13,7 +13,6 @@ semantics exactly (see ../shared/golden/*/README.md):
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -23,12 +22,9 @@ from dspark.models import DSparkDrafter, TargetModel, crop_kv_cache
 
 from .proposer import propose_block
 from .rejection import verify_chain
+from .requests import RequestError, truncate_at_stop, validate_request
 from .sampling import sample_token
 from .scheduler import threshold_length
-
-
-class RequestError(ValueError):
-    """A generation request that cannot be served as given."""
 
 
 @dataclass
@@ -65,44 +61,6 @@ class SpeculativeResult:
         return sum(r.acceptance_length for r in self.rounds) / max(len(self.rounds), 1)
 
 
-def validate_request(
-    prompt_ids: Sequence[int],
-    *,
-    vocab_size: int,
-    max_positions: int,
-    max_new_tokens: int,
-    temperature: float,
-) -> None:
-    if len(prompt_ids) == 0:
-        raise RequestError("prompt is empty: give at least one token id")
-    bad = [t for t in prompt_ids if not _is_token_id(t, vocab_size)]
-    if bad:
-        raise RequestError(f"prompt has token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
-    if max_new_tokens < 1:
-        raise RequestError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    if not temperature >= 0.0:  # also refuses NaN
-        raise RequestError(f"temperature must be >= 0, got {temperature}")
-    if len(prompt_ids) + max_new_tokens > max_positions:
-        raise RequestError(
-            f"prompt ({len(prompt_ids)}) + max_new_tokens ({max_new_tokens}) exceeds the model's "
-            f"max_position_embeddings ({max_positions})"
-        )
-
-
-def _is_token_id(value: object, vocab_size: int) -> bool:
-    try:
-        return 0 <= operator.index(value) < vocab_size
-    except TypeError:
-        return False
-
-
-def _truncate_at_stop(tokens: list[int], stop_token_ids: Sequence[int]) -> tuple[list[int], bool]:
-    for i, token in enumerate(tokens):
-        if token in stop_token_ids:
-            return tokens[: i + 1], True
-    return tokens, False
-
-
 @torch.no_grad()
 def autoregressive_generate(
     target: TargetModel,
@@ -115,11 +73,11 @@ def autoregressive_generate(
 ) -> list[int]:
     """Plain target-only decoding with a KV cache: the output speculative decoding must match."""
     cfg = target.config
-    validate_request(prompt_ids, vocab_size=cfg.vocab_size, max_positions=cfg.max_position_embeddings,
-                     max_new_tokens=max_new_tokens, temperature=temperature)
+    prompt_ids = validate_request(prompt_ids, vocab_size=cfg.vocab_size, max_positions=cfg.max_position_embeddings,
+                                  max_new_tokens=max_new_tokens, temperature=temperature)
     generator = torch.Generator().manual_seed(seed)
     n = len(prompt_ids)
-    out = target(torch.tensor([[operator.index(t) for t in prompt_ids]]), torch.arange(n)[None])
+    out = target(torch.tensor([prompt_ids]), torch.arange(n)[None])
     tokens: list[int] = []
     while True:
         token = sample_token(out.logits[:, -1], temperature, generator)
@@ -151,8 +109,8 @@ def speculative_generate(
     `observer`, if given, is called after every round with its stats and tensors.
     """
     cfg = target.config
-    validate_request(prompt_ids, vocab_size=cfg.vocab_size, max_positions=cfg.max_position_embeddings,
-                     max_new_tokens=max_new_tokens, temperature=temperature)
+    prompt_ids = validate_request(prompt_ids, vocab_size=cfg.vocab_size, max_positions=cfg.max_position_embeddings,
+                                  max_new_tokens=max_new_tokens, temperature=temperature)
     gamma = drafter.config.block_size if block_size is None else block_size
     if gamma < 1:
         raise RequestError(f"block_size must be >= 1, got {gamma}")
@@ -163,7 +121,7 @@ def speculative_generate(
 
     generator = torch.Generator().manual_seed(seed)
     n = len(prompt_ids)
-    prefill = target(torch.tensor([[operator.index(t) for t in prompt_ids]]), torch.arange(n)[None])
+    prefill = target(torch.tensor([prompt_ids]), torch.arange(n)[None])
     anchor = sample_token(prefill.logits[:, -1], temperature, generator)  # [1]
     target_cache = prefill.present  # positions < start
     new_context = prefill.context_features  # features of positions [drafted_upto, start)
@@ -220,5 +178,6 @@ def speculative_generate(
         start += a + 1
         anchor = torch.tensor([verdict.bonus])
 
-    result.tokens, result.stopped_by_token = _truncate_at_stop(result.tokens[:max_new_tokens], stop_token_ids)
+    result.tokens, reason = truncate_at_stop(result.tokens, stop_token_ids, max_new_tokens)
+    result.stopped_by_token = reason == "stop"
     return result

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -61,23 +62,37 @@ class StepRecord:
         return sum(self.seconds.values())
 
 
-@dataclass
 class EngineStats:
-    steps: list[StepRecord] = field(default_factory=list)
+    """The last `history` step records (None keeps all: benchmarks) and running totals over every
+    step, so a long-lived engine's memory stays bounded while `summary` still covers its whole life."""
+
+    def __init__(self, history: int | None = 1024) -> None:
+        self.steps: deque[StepRecord] = deque(maxlen=history)
+        self._totals = dict.fromkeys(("steps", "seconds", "committed", "verified", "padded", "rows"), 0.0)
+
+    def record(self, step: StepRecord) -> None:
+        self.steps.append(step)
+        t = self._totals
+        t["seconds"] += step.total_seconds
+        if step.requests:
+            t["steps"] += 1
+            t["committed"] += sum(step.accepted)
+            t["verified"] += step.verified_tokens
+            t["padded"] += step.padded_tokens
+            t["rows"] += step.requests
+
+    def recent(self, count: int) -> list[StepRecord]:
+        return list(self.steps)[-count:]
 
     def summary(self) -> dict[str, float]:
-        decode = [s for s in self.steps if s.requests]
-        seconds = sum(s.total_seconds for s in self.steps)
-        committed = sum(sum(s.accepted) for s in decode)
-        verified = sum(s.verified_tokens for s in decode)
-        padded = sum(s.padded_tokens for s in decode)
+        t = self._totals
         return {
-            "steps": len(decode),
-            "seconds": seconds,
-            "committed_tokens": committed,
-            "tokens_per_second": committed / seconds if seconds else 0.0,
-            "verified_tokens": verified,
-            "padded_tokens": padded,
-            "padding_fraction": 1 - verified / padded if padded else 0.0,
-            "mean_acceptance_length": committed / max(sum(s.requests for s in decode), 1),
+            "steps": int(t["steps"]),
+            "seconds": t["seconds"],
+            "committed_tokens": int(t["committed"]),
+            "tokens_per_second": t["committed"] / t["seconds"] if t["seconds"] else 0.0,
+            "verified_tokens": int(t["verified"]),
+            "padded_tokens": int(t["padded"]),
+            "padding_fraction": 1 - t["verified"] / t["padded"] if t["padded"] else 0.0,
+            "mean_acceptance_length": t["committed"] / max(t["rows"], 1),
         }

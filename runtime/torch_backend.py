@@ -55,6 +55,12 @@ class TorchBackend(Backend):
     def specs(self) -> dict[str, C.GraphSpec]:
         return self._specs
 
+    def _open(self) -> None:
+        """The models arrive loaded: nothing to load."""
+
+    def _close(self) -> None:
+        """The caller owns the models: nothing to release."""
+
     @torch.no_grad()
     def _run(self, graph: str, feeds: Mapping[str, Array]) -> dict[str, Array]:
         spec, module = self._graphs[graph]

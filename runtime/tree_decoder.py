@@ -9,7 +9,6 @@ follows the target distribution exactly.
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -18,7 +17,7 @@ import torch
 
 from dspark.models import DSparkDrafter, TargetModel
 
-from .reference_decoder import RequestError, _truncate_at_stop, validate_request
+from .requests import RequestError, truncate_at_stop, validate_request
 from .sampling import sample_token
 from .tree_builder import DraftTree, TreeMode, build_tree, sample_tree
 from .tree_verifier import accept_tree, compact_kv_cache, path_features, run_tree
@@ -76,8 +75,8 @@ def tree_generate(
     verified tree.
     """
     cfg = target.config
-    validate_request(prompt_ids, vocab_size=cfg.vocab_size, max_positions=cfg.max_position_embeddings,
-                     max_new_tokens=max_new_tokens, temperature=temperature)
+    prompt_ids = validate_request(prompt_ids, vocab_size=cfg.vocab_size, max_positions=cfg.max_position_embeddings,
+                                  max_new_tokens=max_new_tokens, temperature=temperature)
     if num_nodes < 0:
         raise RequestError(f"num_nodes must be >= 0, got {num_nodes}")
     if draw not in TREE_DRAWS:
@@ -87,7 +86,7 @@ def tree_generate(
     gamma = drafter.config.block_size
     generator = torch.Generator().manual_seed(seed)
     n = len(prompt_ids)
-    prefill = target(torch.tensor([[operator.index(t) for t in prompt_ids]]), torch.arange(n)[None])
+    prefill = target(torch.tensor([prompt_ids]), torch.arange(n)[None])
     anchor = int(sample_token(prefill.logits[:, -1], temperature, generator))
     target_cache, new_context = prefill.present, prefill.context_features
     draft_cache, drafted_upto, start = None, 0, n
@@ -130,5 +129,6 @@ def tree_generate(
         start += len(verdict.path)
         anchor = verdict.bonus
 
-    result.tokens, result.stopped_by_token = _truncate_at_stop(result.tokens[:max_new_tokens], stop_token_ids)
+    result.tokens, reason = truncate_at_stop(result.tokens, stop_token_ids, max_new_tokens)
+    result.stopped_by_token = reason == "stop"
     return result

@@ -15,7 +15,8 @@ from dspark.models import (
     TargetModel,
     load_pair,
 )
-from dspark.runtime.reference_decoder import RequestError, autoregressive_generate, speculative_generate
+from dspark.runtime.reference_decoder import autoregressive_generate, speculative_generate
+from dspark.runtime.requests import RequestError
 
 
 @pytest.fixture()
@@ -132,10 +133,10 @@ def test_drafter_weights_that_do_not_fit_its_config(folders):
     [
         ([], {}, "prompt is empty"),
         ([1, 512], {}, "outside the vocabulary"),
-        ([1, 2.5], {}, "outside the vocabulary"),
+        ([1, 2.5], {}, "not an integer token id"),
         ([1, 2], dict(max_new_tokens=0), "max_new_tokens must be >= 1"),
-        ([1, 2], dict(temperature=-1.0), "temperature must be >= 0"),
-        ([1, 2], dict(temperature=float("nan")), "temperature must be >= 0"),
+        ([1, 2], dict(temperature=-1.0), "temperature must be a finite number >= 0"),
+        ([1, 2], dict(temperature=float("nan")), "temperature must be a finite number >= 0"),
         ([1] * 1000, dict(max_new_tokens=100), "exceeds the model's max_position_embeddings"),
         ([1, 2], dict(confidence_threshold=1.5), "confidence_threshold must lie in"),
         ([1, 2], dict(block_size=0), "block_size must be >= 1"),

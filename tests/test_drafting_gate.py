@@ -8,7 +8,7 @@ import pytest
 from conftest import golden_path, load_json
 
 from dspark.models import load_pair
-from dspark.runtime.batch_loop import Engine
+from dspark.runtime.batch_loop import BatchEngine
 from dspark.runtime.drafting_gate import DraftingGate
 from dspark.runtime.kv_cache import Capacity
 from dspark.runtime.model_info import ModelInfo
@@ -54,7 +54,7 @@ def test_engine_skips_unprofitable_drafting_and_stays_lossless(draft_cost, expec
     target, drafter = load_pair(golden_path("qwen3-tiny-vanilla", "target"),
                                 golden_path("qwen3-tiny-vanilla", "drafter"))
     traces = load_json(golden_path("qwen3-tiny-vanilla", "traces.json"))
-    engine = Engine(TorchBackend(target, drafter), ModelInfo.from_models(target, drafter),
+    engine = BatchEngine(TorchBackend(target, drafter), ModelInfo.from_models(target, drafter),
                     capacity=Capacity(4, 4096, 256), scheduler=SchedulerConfig("dspark"),
                     cost_model=SplitCost(draft_per_request=draft_cost, per_token=1e-4), kv_mode="concat")
     ids = [engine.submit(s["prompt_ids"], max_new_tokens=64) for s in traces["samples"]]

@@ -13,9 +13,8 @@ from click.testing import CliRunner
 from conftest import golden_path, load_json
 
 from dspark.engines import build as B
-from dspark.engines import load_engine
 from dspark.engines.calibration_data import collect_rounds
-from dspark.engines.manifest import read_engine_manifest
+from dspark.export.engine_dir import load_engine_dir, read_engine_manifest
 from dspark.export.pipeline import export_pair
 from dspark.runtime.api import Runtime, RuntimeOptions
 from dspark.runtime.model_info import ModelInfo
@@ -49,14 +48,14 @@ def test_engine_dir_layout_and_manifest(engine_dir, export_dir):
     assert manifest["backend"] == "onnxruntime" and manifest["buckets"] == list(BUCKETS)
     assert manifest["limits"] == {"max_batch": 4, "max_seq_len": 256, "verify_width": 8, "max_batch_tokens": 32}
     assert set(manifest["graphs"]) == set(json.loads((export_dir / "export.json").read_text())["graphs"])
-    engine = load_engine(engine_dir, verify_files=True)
+    engine = load_engine_dir(engine_dir, verify_files=True)
     assert engine.graph_path("target").is_file() and engine.contract_dir == engine_dir
     assert manifest["session"]["graph_optimization_level"] == "all" and engine.intra_op_threads == 1
     assert manifest["calibration"] is None and engine.confidence_temperatures is None
 
 
 def test_sps_table_sanity(engine_dir):
-    engine = load_engine(engine_dir)
+    engine = load_engine_dir(engine_dir)
     for graph in ("target", "target_static"):
         raw = engine.manifest["sps"]["tables"][graph]
         assert raw["batches"] == [1, 2, 4] and raw["buckets"] == list(BUCKETS)
@@ -69,7 +68,7 @@ def test_sps_table_sanity(engine_dir):
         for r in (1, 2, 3, 4):
             costs = [table.seconds(r, b) for b in range(r, 33)]
             assert costs == sorted(costs) and all(c > 0 for c in costs)
-        assert engine.sps(1, 1, graph) == pytest.approx(1 / table.seconds(1, 1))
+        assert engine.cost_table(graph).sps(1, 1) == pytest.approx(1 / table.seconds(1, 1))
 
 
 def test_reprofile_rewrites_only_the_table(engine_dir, tmp_path):
@@ -105,7 +104,7 @@ class RecordingBackend(OrtBackend):
 
 
 def test_runtime_on_engine_dir_is_lossless_and_each_call_has_a_bucket(engine_dir):
-    engine = load_engine(engine_dir)
+    engine = load_engine_dir(engine_dir)
     traces = load_json(golden_path(SET, "traces.json"))
     backend = RecordingBackend(engine.contract_dir, intra_op_threads=engine.intra_op_threads)
     backend.calls = []
@@ -135,7 +134,7 @@ def test_runtime_load_uses_the_engine_table_and_temperatures(engine_dir, tmp_pat
     manifest = json.loads((calibrated / "engine.json").read_text())
     manifest["calibration"] = {"temperatures": [1.5] * 7, "ece_before": [0.2] * 7, "ece_after": [0.1] * 7}
     (calibrated / "engine.json").write_text(json.dumps(manifest))
-    engine = load_engine(calibrated)
+    engine = load_engine_dir(calibrated)
     runtime = Runtime.load(calibrated, RuntimeOptions(max_requests=2, max_seq_len=128))
     assert runtime.cost_model.to_dict() == engine.cost_model("concat").to_dict()
     assert runtime.options.scheduler.confidence_temperatures == (1.5,) * 7
@@ -170,4 +169,4 @@ def test_sts_on_the_golden_drafter_lowers_ece(engine_dir, export_dir, tmp_path):
     cal = read_engine_manifest(copy)["calibration"]
     assert len(cal["temperatures"]) == 7 and cal["ece_after_mean"] < cal["ece_before_mean"]
     assert cal["holdout"]["samples"] > 0 and (copy / "calibration.png").is_file()
-    assert load_engine(copy).confidence_temperatures == tuple(cal["temperatures"])
+    assert load_engine_dir(copy).confidence_temperatures == tuple(cal["temperatures"])

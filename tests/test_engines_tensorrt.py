@@ -13,8 +13,8 @@ pytest.importorskip("polygraphy", reason="Polygraphy is not installed (pip insta
 
 def test_tensorrt_engine_for_the_golden_pair(tmp_path):
     from dspark.engines import build as B
-    from dspark.engines import load_engine
     from dspark.engines.trt_builder import plugin_library_path
+    from dspark.export.engine_dir import load_engine_dir
     from dspark.export.pipeline import export_pair
 
     if not plugin_library_path().is_file():
@@ -26,7 +26,7 @@ def test_tensorrt_engine_for_the_golden_pair(tmp_path):
     B.build_engine(export, tmp_path / "engine", B.BuildOptions(backend="tensorrt", buckets=buckets,
                                                                max_batch_tokens=32, max_batch=4, max_seq_len=128,
                                                                warmup=1, repeats=3))
-    engine = load_engine(tmp_path / "engine", verify_files=True)
+    engine = load_engine_dir(tmp_path / "engine", verify_files=True)
     section = engine.manifest["tensorrt"]
     assert [p["bucket"] for p in section["profiles"]["target"]] == list(buckets)
     assert len(section["profiles"]["drafter_backbone"]) == 1

@@ -11,18 +11,16 @@ import pytest
 from click.testing import CliRunner
 
 from dspark.engines.buckets import (
-    BucketError,
     ShapeLimits,
-    bucket_for,
     dim_ranges,
     parse_buckets,
     plan_buckets,
     profile_shapes,
 )
-from dspark.engines.cost_table import CostTable
-from dspark.engines.manifest import EngineManifestError, validate
 from dspark.export import contract as C
-from dspark.export.manifest import sha256
+from dspark.export.artifacts import ArtifactError, sha256
+from dspark.export.cost_table import CostTable
+from dspark.export.engine_dir import BucketError, bucket_for, validate
 from dspark.tools.build_engine_command import build_engine
 
 LIMITS = ShapeLimits(max_batch=8, max_seq_len=256, verify_width=8)
@@ -123,7 +121,7 @@ def test_manifest_schema_accepts_a_good_manifest_and_names_each_bad_field():
     for mutate, words in cases:
         m = copy.deepcopy(_manifest())
         mutate(m)
-        with pytest.raises(EngineManifestError, match=words):
+        with pytest.raises(ArtifactError, match=words):
             validate(m)
 
 
@@ -147,10 +145,14 @@ def _fake_export(tmp_path, corrupt: str | None = None):
     root.mkdir()
     (root / "target.onnx").write_bytes(b"onnx bytes")
     files = [{"path": "target.onnx", "bytes": 10, "sha256": sha256(root / "target.onnx")}]
-    entry = {"file": "target.onnx", "files": files}
-    manifest = {"format_version": 1, "dtype": "float32", "target": {"vocab_size": 8, "max_position_embeddings": 64},
-                "drafter": {"block_size": 4}, "lm_head_in_backbone": True,
-                "graphs": {"target": entry, "drafter_backbone": {"file": "target.onnx", "files": []}}}
+    io = [{"name": "input_ids", "dtype": "int64", "dims": ["batch", "tokens"]}]
+    entry = {"file": "target.onnx", "files": files, "inputs": io, "outputs": io}
+    target = {"vocab_size": 8, "hidden_size": 4, "num_layers": 1, "num_kv_heads": 1, "head_dim": 4,
+              "max_position_embeddings": 64, "context_feature_size": 4, "eos_token_ids": [0]}
+    drafter = {"block_size": 4, "mask_token_id": 7, "num_layers": 1, "num_kv_heads": 1, "head_dim": 4,
+               "markov_rank": 0, "markov_head_type": None, "enable_confidence_head": False}
+    manifest = {"format_version": 1, "dtype": "float32", "target": target, "drafter": drafter,
+                "lm_head_in_backbone": True, "graphs": {"target": entry, "drafter_backbone": entry}}
     text = json.dumps(manifest)
     if corrupt == "fields":
         text = text.replace('"vocab_size": 8', '"vocab_size": "8"')
@@ -168,11 +170,11 @@ def _run(args):
 
 
 @pytest.mark.parametrize("case,words", [
-    ("missing", "does not exist"),
-    ("json", "is corrupt: not valid JSON"),
-    ("sha", "does not match the sha256 in export.json"),
+    ("missing", "is not a directory"),
+    ("json", "export.json: is not valid JSON"),
+    ("sha", "target.onnx: does not match the sha256"),
     ("buckets", "strictly increasing"),
-    ("fields", "no integer target.vocab_size"),
+    ("fields", "target.vocab_size must be a non-negative integer"),
 ])
 def test_build_engine_user_errors_exit_2_with_one_line(tmp_path, case, words):
     export = tmp_path / "nowhere" if case == "missing" else _fake_export(tmp_path, case if case != "buckets" else None)

@@ -8,12 +8,13 @@ import torch
 from conftest import golden_path, load_json, random_pair
 
 from dspark.models import load_pair
-from dspark.runtime.batch_loop import Engine
+from dspark.runtime.batch_loop import BatchEngine
 from dspark.runtime.cost_model import StepCostModel
 from dspark.runtime.kv_cache import Capacity, CapacityError
 from dspark.runtime.model_info import ModelInfo
 from dspark.runtime.prefix_scheduler import SchedulerConfig
-from dspark.runtime.reference_decoder import RequestError, autoregressive_generate, speculative_generate
+from dspark.runtime.reference_decoder import autoregressive_generate, speculative_generate
+from dspark.runtime.requests import RequestError
 from dspark.runtime.torch_backend import TorchBackend
 
 # A cost model under which Algorithm 1 admits some drafts and refuses others.
@@ -22,9 +23,9 @@ DEFAULT_CAPACITY = Capacity(8, 4096, 256)
 
 
 def make_engine(target, drafter, *, mode="fixed", kv_mode="concat", capacity=DEFAULT_CAPACITY,
-                backend=None, **scheduler) -> Engine:
+                backend=None, **scheduler) -> BatchEngine:
     backend = backend or TorchBackend(target, drafter)
-    return Engine(backend, ModelInfo.from_models(target, drafter), capacity=capacity,
+    return BatchEngine(backend, ModelInfo.from_models(target, drafter), capacity=capacity,
                   scheduler=SchedulerConfig(mode, **scheduler), cost_model=COST, kv_mode=kv_mode)
 
 

@@ -11,7 +11,7 @@ from conftest import golden_path, load_json
 from dspark.export.pipeline import export_pair
 from dspark.models import load_pair
 from dspark.runtime.backend import BackendError
-from dspark.runtime.batch_loop import Engine
+from dspark.runtime.batch_loop import BatchEngine
 from dspark.runtime.cost_model import StepCostModel
 from dspark.runtime.kv_cache import Capacity
 from dspark.runtime.model_info import ModelInfo
@@ -31,7 +31,7 @@ def exported(tmp_path_factory):
 
 def engine(backend, kv_mode, mode="fixed", capacity=None):
     capacity = capacity or Capacity(4, 4096, 256)
-    return Engine(backend, ModelInfo.from_manifest(backend.manifest), capacity=capacity,
+    return BatchEngine(backend, ModelInfo.from_manifest(backend.manifest), capacity=capacity,
                   scheduler=SchedulerConfig(mode), kv_mode=kv_mode,
                   cost_model=StepCostModel(1e-3, 2e-4, 4e-4))
 

@@ -11,7 +11,7 @@ from conftest import random_pair
 from scipy.stats import chisquare
 
 from dspark.runtime import batch_loop
-from dspark.runtime.batch_loop import Engine
+from dspark.runtime.batch_loop import BatchEngine
 from dspark.runtime.cost_model import StepCostModel
 from dspark.runtime.kv_cache import Capacity
 from dspark.runtime.model_info import ModelInfo
@@ -144,7 +144,7 @@ def exact_second_token(target, prompt: list[int]) -> torch.Tensor:
 
 
 def engine_second_tokens(target, drafter, prompt, n: int) -> tuple[torch.Tensor, list[int]]:
-    engine = Engine(TorchBackend(target, drafter), ModelInfo.from_models(target, drafter),
+    engine = BatchEngine(TorchBackend(target, drafter), ModelInfo.from_models(target, drafter),
                     capacity=Capacity(64, 64 * 32, 32), scheduler=SchedulerConfig("dspark"),
                     cost_model=StepCostModel(1e-3, 1e-3, 1e-5))
     ids = [engine.submit(prompt, max_new_tokens=2, temperature=1.0, seed=s) for s in range(n)]

@@ -13,7 +13,8 @@ from conftest import golden_path, random_pair
 from dspark.models import load_pair
 from dspark.plugins import compose_full_mask
 from dspark.runtime.kv_cache import CacheShape, SlotCache
-from dspark.runtime.reference_decoder import RequestError, autoregressive_generate
+from dspark.runtime.reference_decoder import autoregressive_generate
+from dspark.runtime.requests import RequestError
 from dspark.runtime.tree_builder import DraftTree, build_tree
 from dspark.runtime.tree_decoder import tree_generate
 from dspark.runtime.tree_verifier import (

@@ -45,9 +45,11 @@ def build_engine(export_dir, out_dir, backend, buckets, max_batch_tokens, max_ba
     from pathlib import Path
 
     from dspark.engines import build as B
-    from dspark.engines.buckets import BucketError, parse_buckets
+    from dspark.engines.buckets import parse_buckets
     from dspark.engines.export_source import BuildError, load_export
-    from dspark.engines.manifest import EngineManifestError
+    from dspark.export.artifacts import ArtifactError
+    from dspark.export.engine_dir import BucketError
+    from dspark.runtime.backend import BackendUnavailable
 
     def progress(message: str) -> None:
         if not quiet:
@@ -69,7 +71,7 @@ def build_engine(export_dir, out_dir, backend, buckets, max_batch_tokens, max_ba
                                     tokenizer=tokenizer, progress=progress)
             if tokenizer:
                 shutil.copyfile(tokenizer, Path(out_dir) / "tokenizer.json")
-    except (BuildError, BucketError, EngineManifestError) as exc:
+    except (BuildError, BucketError, ArtifactError, BackendUnavailable) as exc:
         click.echo(f"dspark-build-engine: error: {exc}", err=True)
         raise SystemExit(2) from None
     _print_table(manifest)

@@ -19,13 +19,14 @@ def calibrate(engine_dir, data, tokenizer, prompt_len, max_new_tokens, holdout) 
     """Fit per-slot confidence temperatures on DATA; write them and ECE before/after to engine.json."""
     from dspark.engines.build import calibrate_engine
     from dspark.engines.export_source import BuildError
-    from dspark.engines.manifest import EngineManifestError
+    from dspark.export.artifacts import ArtifactError
+    from dspark.runtime.backend import BackendUnavailable
 
     try:
         manifest = calibrate_engine(engine_dir, data, tokenizer=tokenizer, prompt_len=prompt_len,
                                     max_new_tokens=max_new_tokens, holdout_fraction=holdout,
                                     progress=lambda m: click.echo(f"dspark calibrate: {m}", err=True))
-    except (BuildError, EngineManifestError) as exc:
+    except (BuildError, ArtifactError, BackendUnavailable) as exc:
         click.echo(f"dspark calibrate: error: {exc}", err=True)
         raise SystemExit(2) from None
     cal = manifest["calibration"]

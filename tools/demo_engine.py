@@ -48,7 +48,7 @@ def cached_engine(target_dir: Path, drafter_dir: Path, root: Path, show_progress
     if (root / COMPLETE).is_file():
         return engine
     from dspark.engines.build import build_engine
-    from dspark.export import export_pair
+    from dspark.export.pipeline import export_pair
 
     def say(message: str) -> None:
         if show_progress:

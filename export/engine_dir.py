@@ -1,4 +1,14 @@
-"""`engine.json`: what an engine directory holds, how it was built, its SPS table and STS temperatures.
+"""An engine directory as the runtime reads it and the builders write it: `engine.json` (schema,
+SPS cost tables, STS temperatures, backend), bucket lookup, and `EngineDir`.
+
+    engine = load_engine_dir("out/engine")  # ArtifactError naming the file and field when it is bad
+    engine.backend                          # "onnxruntime" | "tensorrt": which runtime backend opens it
+    engine.contract_dir                     # holds export.json (graph specs; ORT: the optimized files)
+    engine.cost_model(kv_mode)              # CostTable: seconds(R, B) for the scheduler
+    engine.bucket_for(tokens)               # index of the profile / bucket for a step's B tokens
+    engine.confidence_temperatures          # STS temperatures (one per block slot) or None
+
+`engine.json`: what an engine directory holds, how it was built, its SPS table and STS temperatures.
 
     format_version  1
     kind            "dspark-engine"
@@ -17,15 +27,21 @@
     built_with      {dspark, onnxruntime, tensorrt, python, platform, cpu_count}
     build_seconds   float
 
-`validate` checks all of it and raises EngineManifestError naming the first bad field.
+`validate` checks all of it and raises ArtifactError naming the file and the first bad field.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
+from dataclasses import dataclass
 from itertools import pairwise
 from pathlib import Path
 from typing import Any
+
+from . import contract as C
+from .artifacts import ArtifactError, check_sha256, read_json_object
+from .cost_table import CostTable
 
 ENGINE_JSON = "engine.json"
 FORMAT_VERSION = 1
@@ -35,12 +51,15 @@ _REQUIRED = ("format_version", "kind", "backend", "export", "graphs", "limits", 
              "calibration", "built_with", "build_seconds")
 
 
-class EngineManifestError(ValueError):
-    """engine.json is missing, unreadable, or does not follow the schema."""
+REBUILD = "rebuild the engine with dspark-build-engine"
+
+
+class BucketError(ValueError):
+    """A bucket list, limit or step size that cannot be used (bad text, not increasing, out of range)."""
 
 
 def _fail(where: str, message: str) -> None:
-    raise EngineManifestError(f"{where}: {message}")
+    raise ArtifactError(where, message, REBUILD)
 
 
 def _positive_ints(value: Any) -> bool:
@@ -52,14 +71,14 @@ def _increasing(values: list[int]) -> bool:
 
 
 def validate(manifest: Any, where: str = ENGINE_JSON) -> dict[str, Any]:
-    """Return `manifest` if it follows the schema; raise EngineManifestError otherwise."""
+    """Return `manifest` if it follows the schema; raise ArtifactError otherwise."""
     if not isinstance(manifest, dict):
         _fail(where, "expected a JSON object")
     missing = [k for k in _REQUIRED if k not in manifest]
     if missing:
         _fail(where, f"missing fields {missing}")
     if manifest["format_version"] != FORMAT_VERSION:
-        _fail(where, f"format_version {manifest['format_version']!r} is not {FORMAT_VERSION}; rebuild the engine")
+        _fail(where, f"format_version {manifest['format_version']!r} is not {FORMAT_VERSION}")
     if manifest["kind"] != KIND:
         _fail(where, f"kind {manifest['kind']!r} is not {KIND!r}")
     if manifest["backend"] not in BACKENDS:
@@ -121,13 +140,7 @@ def _validate_calibration(cal: Any, block: int, where: str) -> None:
 
 def read_engine_manifest(engine_dir: str | Path) -> dict[str, Any]:
     path = Path(engine_dir) / ENGINE_JSON
-    if not path.is_file():
-        raise EngineManifestError(f"{path} is missing: {engine_dir} is not a dspark-build-engine output")
-    try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise EngineManifestError(f"{path} is not valid JSON ({exc})") from None
-    return validate(manifest, str(path))
+    return validate(read_json_object(path, REBUILD), str(path))
 
 
 def write_engine_manifest(engine_dir: str | Path, manifest: dict[str, Any]) -> Path:
@@ -137,3 +150,82 @@ def write_engine_manifest(engine_dir: str | Path, manifest: dict[str, Any]) -> P
     tmp.write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")
     tmp.replace(path)  # --reprofile / calibrate rewrite in place: never leave a half-written file
     return path
+
+
+def bucket_for(tokens: int, buckets: Sequence[int]) -> int:
+    """Index of the smallest bucket holding `tokens` verified tokens."""
+    if tokens < 1:
+        raise BucketError(f"a step verifies at least 1 token, got {tokens}")
+    for index, bound in enumerate(buckets):
+        if tokens <= bound:
+            return index
+    raise BucketError(f"{tokens} tokens exceed the largest bucket {buckets[-1]}; rebuild with a larger "
+                      f"--max-batch-tokens or admit fewer tokens per step")
+
+
+@dataclass(frozen=True)
+class EngineDir:
+    """A checked engine directory: its path and its engine.json."""
+
+    path: Path
+    manifest: dict[str, Any]
+
+    @property
+    def backend(self) -> str:
+        return self.manifest["backend"]
+
+    @property
+    def buckets(self) -> tuple[int, ...]:
+        return tuple(self.manifest["buckets"])
+
+    @property
+    def contract_dir(self) -> Path:
+        """Directory whose export.json describes the graphs (the engine dir for ORT engines)."""
+        return self.path if self.backend == "onnxruntime" else Path(self.manifest["export"]["dir"])
+
+    @property
+    def intra_op_threads(self) -> int:
+        return int(self.manifest.get("session", {}).get("intra_op_threads", 1))
+
+    def graph_path(self, name: str) -> Path:
+        """The built file of one graph (ORT: optimized ONNX; TensorRT: the plan)."""
+        if name not in self.manifest["graphs"]:
+            raise ArtifactError(self.path / ENGINE_JSON, f"has no graph '{name}' "
+                                f"(has {sorted(self.manifest['graphs'])})", REBUILD)
+        return self.path / self.manifest["graphs"][name]["file"]
+
+    def bucket_for(self, tokens: int) -> int:
+        """Index of the smallest bucket (TensorRT: optimization profile) holding `tokens`."""
+        return bucket_for(tokens, self.buckets)
+
+    def cost_table(self, target_graph: str = C.TARGET) -> CostTable:
+        tables = self.manifest["sps"]["tables"]
+        if target_graph not in tables:
+            raise ArtifactError(self.path / ENGINE_JSON, f"has no SPS table for '{target_graph}' "
+                                f"(has {sorted(tables)})", "rebuild, or pick the kv mode it was built for")
+        return CostTable.from_dict(tables[target_graph])
+
+    def cost_model(self, kv_mode: str = "concat") -> CostTable:
+        """The table for the runtime's kv_mode ('concat' → target, 'static' → target_static)."""
+        return self.cost_table(C.TARGET_STATIC if kv_mode == "static" else C.TARGET)
+
+    @property
+    def confidence_temperatures(self) -> tuple[float, ...] | None:
+        cal = self.manifest["calibration"]
+        return None if cal is None else tuple(float(t) for t in cal["temperatures"])
+
+    def verify_files(self) -> None:
+        """ArtifactError if a graph/plan file is missing or differs from engine.json."""
+        for entry in self.manifest["graphs"].values():
+            check_sha256(self.path / entry["file"], entry["sha256"], REBUILD)
+
+
+def is_engine_dir(path: str | Path) -> bool:
+    return (Path(path) / ENGINE_JSON).is_file()
+
+
+def load_engine_dir(path: str | Path, *, verify_files: bool = False) -> EngineDir:
+    engine = EngineDir(Path(path), read_engine_manifest(path))
+    if verify_files:
+        engine.verify_files()
+    return engine
