@@ -30,7 +30,7 @@ from .monitor import Monitor
 from .ort_backend import OrtBackend
 from .prefix_scheduler import SchedulerConfig
 from .profiling import profile_step_cost
-from .requests import RequestError, token_ids
+from .requests import RequestError, as_list, token_ids
 from .stats import EngineStats, RequestResult
 
 Prompt = Sequence[int]
@@ -155,6 +155,7 @@ class Runtime:
 
 def _prompt_batch(prompts: object) -> list[list[int]]:
     """One prompt (a sequence of ids) or a sequence of prompts -> a list of id lists."""
+    prompts = as_list(prompts)
     if isinstance(prompts, str | bytes) or not isinstance(prompts, Sequence) or not prompts:
         raise RequestError(f"prompts must be a sequence of token ids or a list of them, got {prompts!r:.80}")
     if all(not isinstance(p, Sequence) or isinstance(p, str | bytes) for p in prompts):

@@ -3,7 +3,7 @@ CPU load through psutil otherwise (and always, for the host).
 
 How live load enters the runtime: every step's record carries the readings (`cpu_percent`,
 `gpu_percent`) next to its measured phase times. The scheduler's capacity estimate SPS(B)
-comes from the step cost model; `Engine.refit_cost_model()` refits that model on the steps
+comes from the step cost model; `BatchEngine.refit_cost_model()` refits that model on the steps
 actually timed under the current load, so a busy machine shifts the per-request versus
 per-token balance the scheduler sees. (A uniform slowdown alone scales SPS by a constant,
 which does not change Algorithm 1's choices — only the predicted tokens/s in the stats.)

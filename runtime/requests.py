@@ -14,6 +14,7 @@ class RequestError(ValueError):
 
 def token_ids(values: object, what: str = "prompt") -> list[int]:
     """`values` as a list of Python ints; RequestError (not TypeError) for anything else."""
+    values = as_list(values)
     if isinstance(values, str | bytes) or not isinstance(values, Sequence):
         raise RequestError(f"{what} must be a sequence of token ids (ints), got {type(values).__name__}")
     ids = []
@@ -25,6 +26,11 @@ def token_ids(values: object, what: str = "prompt") -> list[int]:
         except TypeError:
             raise RequestError(f"{what} holds {value!r} ({type(value).__name__}), not an integer token id") from None
     return ids
+
+
+def as_list(values: object) -> object:
+    """numpy arrays and torch tensors as (nested) Python lists; anything else unchanged."""
+    return values.tolist() if callable(getattr(values, "tolist", None)) else values
 
 
 def validate_request(

@@ -10,14 +10,13 @@ BackendUnavailable with the one line that says what to install.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from dspark.export import contract as C
 from dspark.export.artifacts import check_size
-from dspark.export.engine_dir import REBUILD, EngineDir, bucket_for
+from dspark.export.engine_dir import REBUILD, EngineDir
 from dspark.export.manifest import graph_specs, read_manifest
 
 from .backend import Array, Backend, BackendUnavailable
@@ -47,19 +46,16 @@ def import_tensorrt() -> Any:
 
 
 class TrtBackend(Backend):
-    def __init__(self, engine_dir: Path, plans: Mapping[str, Any], buckets: tuple[int, ...],
-                 specs: Mapping[str, C.GraphSpec], plugin_library: str | None = None) -> None:
+    def __init__(self, engine: EngineDir, specs: Mapping[str, C.GraphSpec]) -> None:
         super().__init__()
-        self.engine_dir, self.buckets, self.plugin_library = Path(engine_dir), buckets, plugin_library
-        self._plans = dict(plans)  # graph -> engine.json graph entry {file, bytes, sha256}
-        self._specs = {name: specs[name] for name in self._plans}
+        self.engine = engine
+        self._specs = {name: specs[name] for name in engine.manifest["graphs"]}
         self._runners: dict[tuple[str, int], Any] = {}
 
     @classmethod
     def for_engine(cls, engine: EngineDir) -> TrtBackend:
-        specs = graph_specs(read_manifest(engine.contract_dir, verify="none"))
-        library = engine.manifest.get("tensorrt", {}).get("plugin_library")
-        return cls(engine.path, engine.manifest["graphs"], engine.buckets, specs, library)
+        """Specs from the source export's export.json (engine.json `export.dir`)."""
+        return cls(engine, graph_specs(read_manifest(engine.contract_dir, verify="none")))
 
     @property
     def specs(self) -> dict[str, C.GraphSpec]:
@@ -71,14 +67,15 @@ class TrtBackend(Backend):
             from polygraphy.backend.trt import EngineFromBytes, TrtRunner
         except ImportError:
             raise TensorRTUnavailable('Polygraphy is not installed: pip install "dspark[tensorrt]"') from None
-        if self.plugin_library:
+        library = self.engine.manifest.get("tensorrt", {}).get("plugin_library")
+        if library:
             trt.init_libnvinfer_plugins(trt.Logger(trt.Logger.WARNING), "")
-            trt.get_plugin_registry().load_library(self.plugin_library)
-        for name, entry in self._plans.items():
-            path = self.engine_dir / entry["file"]
+            trt.get_plugin_registry().load_library(library)
+        for name, entry in self.engine.manifest["graphs"].items():
+            path = self.engine.graph_path(name)
             check_size(path, entry["bytes"], REBUILD)
             plan = path.read_bytes()
-            for k in range(len(self.buckets) if name in TARGET_GRAPHS else 1):
+            for k in range(len(self.engine.buckets) if name in TARGET_GRAPHS else 1):
                 runner = TrtRunner(EngineFromBytes(plan), optimization_profile=k)
                 runner.activate()
                 self._runners[name, k] = runner
@@ -93,7 +90,7 @@ class TrtBackend(Backend):
         if graph not in TARGET_GRAPHS:
             return 0
         batch, tokens = feeds["input_ids"].shape
-        return bucket_for(batch * tokens, self.buckets)
+        return self.engine.bucket_for(batch * tokens)
 
     def _run(self, graph: str, feeds: Mapping[str, Array]) -> dict[str, Array]:
         host = {name: np.ascontiguousarray(value) for name, value in feeds.items()}
