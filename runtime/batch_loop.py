@@ -380,18 +380,39 @@ class BatchEngine:
                 r += 1
                 continue
             a.result.tokens = tokens[: a.max_new_tokens if hit is None else hit + 1]
-            a.result.finish_reason = "length" if hit is None else "stop"
-            a.result.finished_step = self._step
-            self.finished[a.result.request_id] = a.result
-            self.admission.release(a.result.request_id)
-            last = len(self.active) - 1
-            if r != last:
-                self.target_kv.move(last, r)
-                self.drafter_kv.move(last, r)
-            self.target_kv.clear(last)
-            self.drafter_kv.clear(last)
-            self.active[r] = self.active[last]
-            self.active.pop()
+            self._leave(r, "length" if hit is None else "stop")
+
+    def _leave(self, row: int, reason: str) -> None:
+        """Active row `row` finishes: its result is kept for hand-off, its slot is freed, and the
+        last active row moves into it (the active rows stay a contiguous prefix of the caches)."""
+        a = self.active[row]
+        a.result.finish_reason, a.result.finished_step = reason, self._step
+        self.finished[a.result.request_id] = a.result
+        self.admission.release(a.result.request_id)
+        last = len(self.active) - 1
+        if row != last:
+            self.target_kv.move(last, row)
+            self.drafter_kv.move(last, row)
+        self.target_kv.clear(last)
+        self.drafter_kv.clear(last)
+        self.active[row] = self.active[last]
+        self.active.pop()
+
+    def cancel(self, request_id: int) -> bool:
+        """End a queued or running request now (between steps), finish reason "cancelled", keeping
+        the tokens committed so far; its slot is free for the next step. False if it is not here."""
+        for i, a in enumerate(self.queue):
+            if a.result.request_id == request_id:
+                del self.queue[i]
+                a.result.finish_reason, a.result.finished_step = "cancelled", self._step
+                self.finished[request_id] = a.result
+                return True
+        for row, a in enumerate(self.active):
+            if a.result.request_id == request_id:
+                a.result.tokens = a.result.tokens[: a.max_new_tokens]
+                self._leave(row, "cancelled")
+                return True
+        return False
 
 
 def _kv_feeds(prefix: str, cache: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:

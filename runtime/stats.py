@@ -15,7 +15,7 @@ class RequestResult:
     tokens: list[int]  # generated ids, prompt excluded, truncated at max_new_tokens / stop
     acceptance_lengths: list[int] = field(default_factory=list)  # per round, bonus included
     proposal_lengths: list[int] = field(default_factory=list)  # drafts verified per round
-    finish_reason: str = ""  # "length" or "stop"
+    finish_reason: str = ""  # "length", "stop" or "cancelled"
     submitted_step: int = 0
     admitted_step: int = -1
     finished_step: int = -1

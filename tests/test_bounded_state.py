@@ -14,10 +14,10 @@ from dspark.runtime.prefix_scheduler import SchedulerConfig
 from dspark.runtime.torch_backend import TorchBackend
 
 
-def engine(history: int | None) -> BatchEngine:
+def engine(history: int | None, slots: int = 4) -> BatchEngine:
     target, drafter = random_pair(3)
     return BatchEngine(TorchBackend(target, drafter), ModelInfo.from_models(target, drafter),
-                       capacity=Capacity(4, 2048, 256), scheduler=SchedulerConfig("fixed"),
+                       capacity=Capacity(slots, 2048, 256), scheduler=SchedulerConfig("fixed"),
                        cost_model=StepCostModel(1e-3, 2e-4, 4e-4), step_history=history)
 
 
@@ -65,3 +65,19 @@ def test_stop_tokens_are_searched_once_per_output_token():
     result = e.run_until_done()[request]
     assert len(result.tokens) == 120
     assert CountingStops.checks <= 120  # a rescan per step would test ~rounds × tokens / 2
+
+
+def test_cancel_frees_the_slot_and_leaves_others_untouched():
+    e, alone = engine(history=8, slots=2), engine(history=8)
+    keep = e.submit([1, 2, 3], max_new_tokens=30)
+    drop = e.submit([4, 5, 6, 7], max_new_tokens=30)
+    queued = e.submit([8, 9], max_new_tokens=5)
+    reference = alone.submit([1, 2, 3], max_new_tokens=30)
+    e.step()
+    e.step()
+    assert e.cancel(drop) and e.cancel(queued) and not e.cancel(12345)
+    assert e.finished[drop].finish_reason == "cancelled" and len(e.active) == 1
+    assert e.finished[queued].tokens == [] and not e.queue
+    assert e.admission.reserved.keys() == {keep}
+    done = e.run_until_done()
+    assert done[keep].tokens == alone.run_until_done()[reference].tokens
