@@ -106,7 +106,7 @@ def collect_rounds(
         if record is None or record.confidence_logits is None:
             continue
         confidences.append(record.confidence_logits.double().numpy())
-        accepted.append(np.asarray(record.accepted) - 1)  # the bonus token is not a draft
+        accepted.append(np.asarray(record.acceptance_lengths) - 1)  # the bonus token is not a draft
     if not confidences:
         raise BuildError("calibration produced no draft rounds (prompts too short or max_new_tokens too small)")
     return np.concatenate(confidences), np.concatenate(accepted)

@@ -206,7 +206,7 @@ class BatchEngine:
         load = self.monitor.sample() if self.monitor else None
         record = StepRecord(
             step=self._step, requests=rows, admitted_new=len(new), lengths=list(decision.lengths),
-            verified_tokens=tokens, padded_tokens=padded, accepted=accepted,
+            verified_tokens=tokens, padded_tokens=padded, acceptance_lengths=accepted,
             expected_accepts=decision.expected_accepts,
             predicted_seconds=self.cost_model.seconds(rows, tokens) if self.cost_model else None,
             seconds=seconds,

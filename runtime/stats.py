@@ -48,7 +48,7 @@ class StepRecord:
     lengths: list[int]  # ℓ_r per request (scheduler decision)
     verified_tokens: int  # B = Σ(1 + ℓ_r)
     padded_tokens: int  # R × (1 + max ℓ): what the padded verification computed
-    accepted: list[int]  # acceptance length per request (bonus included)
+    acceptance_lengths: list[int]  # per request: accepted drafts + the bonus token
     expected_accepts: float | None  # τ* (dspark mode)
     predicted_seconds: float | None  # cost model's t(R, B) for the decision
     seconds: dict[str, float]  # phase -> wall seconds (prefill, draft, heads, schedule, verify, commit)
@@ -76,7 +76,7 @@ class EngineStats:
         t["seconds"] += step.total_seconds
         if step.requests:
             t["steps"] += 1
-            t["committed"] += sum(step.accepted)
+            t["committed"] += sum(step.acceptance_lengths)
             t["verified"] += step.verified_tokens
             t["padded"] += step.padded_tokens
             t["rows"] += step.requests

@@ -31,7 +31,7 @@ def test_step_records_are_a_ring_and_the_summary_counts_every_step():
     assert len(decode_steps) > 3 and len(bounded.stats.steps) == 3
     assert list(bounded.stats.steps)[-1].step == list(full.stats.steps)[-1].step
     assert bounded.stats.summary()["steps"] == full.stats.summary()["steps"] == len(decode_steps)
-    assert bounded.stats.summary()["committed_tokens"] == sum(sum(s.accepted) for s in decode_steps)
+    assert bounded.stats.summary()["committed_tokens"] == sum(sum(s.acceptance_lengths) for s in decode_steps)
 
 
 def test_finished_results_are_handed_off_and_dropped():

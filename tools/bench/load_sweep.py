@@ -47,7 +47,7 @@ def run_load(base: Runtime, scheduler: SchedulerConfig, prompts: Sequence[list[i
     results = [engine.finished[i] for i in ids]
     steps = [s for s in engine.stats.steps if s.requests]
     drafts = sum(sum(s.lengths) for s in steps)
-    accepted_drafts = sum(sum(s.accepted) - s.requests for s in steps)
+    accepted_drafts = sum(sum(s.acceptance_lengths) - s.requests for s in steps)
     tokens = sum(len(r.tokens) for r in results)
     per_request = [len(r.tokens) / (finished_at[r.request_id] - begin) for r in results]
     summary = engine.stats.summary()
