@@ -59,6 +59,7 @@ class Runtime:
                                            requests=options.profile_requests)
         self.cost_model = cost_model
         self.stats = EngineStats()
+        self.monitor = Monitor()  # one sampling thread for the runtime's lifetime
 
     @classmethod
     def load(cls, path: str | Path, options: RuntimeOptions | None = None, *,
@@ -94,6 +95,7 @@ class Runtime:
         return cls(TorchBackend(target, drafter), ModelInfo.from_models(target, drafter), options, cost_model)
 
     def close(self) -> None:
+        self.monitor.close()
         self.backend.close()
 
     def __enter__(self) -> Runtime:
@@ -106,7 +108,7 @@ class Runtime:
         o = self.options
         capacity = Capacity(o.max_requests, o.max_tokens or o.max_requests * o.max_seq_len, o.max_seq_len)
         return BatchEngine(self.backend, self.info, capacity=capacity, scheduler=o.scheduler,
-                      cost_model=self.cost_model, monitor=Monitor(), kv_mode=o.kv_mode)
+                      cost_model=self.cost_model, monitor=self.monitor, kv_mode=o.kv_mode)
 
     def generate(
         self,

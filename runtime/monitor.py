@@ -11,6 +11,7 @@ which does not change Algorithm 1's choices — only the predicted tokens/s in t
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import psutil
@@ -24,17 +25,28 @@ class LoadReading:
 
 
 class Monitor:
-    """Cheap non-blocking readings; NVML is probed once and skipped when absent."""
+    """Load readings sampled by a daemon thread every `period` seconds, so the decode step only
+    reads the latest one (no psutil or NVML call on the hot path). NVML is probed once and skipped
+    when absent. `close()` stops the thread; an unclosed monitor dies with the process."""
 
-    def __init__(self, gpu_index: int = 0) -> None:
+    def __init__(self, gpu_index: int = 0, period: float = 0.25) -> None:
         self._nvml_handle = _nvml_handle(gpu_index)
+        self.period = period
         psutil.cpu_percent(interval=None)  # prime the counter: the first reading is since now
+        self._latest = LoadReading(0.0, None, None)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="dspark-monitor", daemon=True)
+        self._thread.start()
 
     @property
     def has_gpu(self) -> bool:
         return self._nvml_handle is not None
 
     def sample(self) -> LoadReading:
+        """The most recent reading (at most `period` old)."""
+        return self._latest
+
+    def read_now(self) -> LoadReading:
         gpu, memory = None, None
         if self._nvml_handle is not None:
             import pynvml
@@ -42,6 +54,14 @@ class Monitor:
             gpu = float(pynvml.nvmlDeviceGetUtilizationRates(self._nvml_handle).gpu)
             memory = int(pynvml.nvmlDeviceGetMemoryInfo(self._nvml_handle).used)
         return LoadReading(psutil.cpu_percent(interval=None), gpu, memory)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.period):
+            self._latest = self.read_now()  # one reference swap: readers never see a torn reading
 
 
 def _nvml_handle(index: int):

@@ -4,6 +4,8 @@ once per output token rather than once per output token per step."""
 
 from __future__ import annotations
 
+import time
+
 from conftest import random_pair
 
 from dspark.runtime.batch_loop import BatchEngine
@@ -81,3 +83,26 @@ def test_cancel_frees_the_slot_and_leaves_others_untouched():
     assert e.admission.reserved.keys() == {keep}
     done = e.run_until_done()
     assert done[keep].tokens == alone.run_until_done()[reference].tokens
+
+
+def test_the_monitor_samples_off_the_decode_path(monkeypatch):
+    """Load readings come from a background thread; `sample()` makes no psutil call."""
+    import psutil
+
+    from dspark.runtime.monitor import Monitor
+
+    monitor = Monitor(period=0.01)
+    try:
+        deadline = time.monotonic() + 5.0
+        while monitor.sample().cpu_percent == 0.0 and time.monotonic() < deadline:
+            sum(i * i for i in range(100_000))  # give the sampler some load to see
+        assert monitor.sample().cpu_percent > 0.0
+        calls = []
+        monkeypatch.setattr(psutil, "cpu_percent", lambda *a, **k: calls.append(1) or 50.0)
+        before = len(calls)
+        for _ in range(1000):
+            monitor.sample()
+        assert len(calls) - before <= 5  # only the thread's own periodic reads, not one per sample
+    finally:
+        monitor.close()
+    assert not monitor._thread.is_alive()
