@@ -106,7 +106,7 @@ def run_bench(out: Path, sizes: Sizes, *, engine: Path | None, target: Path | No
     from dspark.models import load_pair
     from dspark.runtime.reference_decoder import autoregressive_generate
 
-    from .bench import acceptance, load_sweep, single_stream, subjects
+    from .bench import acceptance, load_sweep, replay, single_stream, subjects
     from .bench import peers as peer_systems
 
     began = time.perf_counter()
@@ -173,6 +173,10 @@ def run_bench(out: Path, sizes: Sizes, *, engine: Path | None, target: Path | No
         r.pop("outputs", None)
     results["single_stream"] = {"reference": reference_name, "prompts": len(prompts),
                                 "max_new_tokens": sizes.new_tokens, "rows": rows}
+    tqdm.write("dspark bench: loop efficiency (the engine against a replay of its own graph calls)")
+    results["loop_efficiency"] = replay.loop_efficiency(
+        runtime, prompts[:4], max_new_tokens=sizes.new_tokens, stop=stop,
+        max_seq_len=longest + sizes.new_tokens + 64)
 
     sweep_prompts, _ = subjects.load_prompts(
         prompts_file, chosen.tokenizer_path, count=min(max(sizes.concurrency), SWEEP_DISTINCT_PROMPTS),

@@ -36,13 +36,15 @@ def single_stream_table(rows: list[dict[str, Any]]) -> str:
     out = []
     for r in rows:
         if r.get("status") != "ok":
-            out.append([r["system"], r["runtime"], r["status"], None, None, None])
+            out.append([r["system"], r["runtime"], r["status"], None, None, None, None])
             continue
         check = r.get("greedy_check")
         greedy = "n/a" if check is None else ("yes" if check["equal"] else
                                               f"MISMATCH ({len(check['mismatches'])} prompts)")
-        out.append([r["system"], r["runtime"], r["tokens_per_second"], r["per_token_ms"], r["first_token_ms"], greedy])
-    return _table(["system", "runtime", "tokens/s", "ms/token", "first token ms", "greedy tokens"], out)
+        out.append([r["system"], r["runtime"], r["tokens_per_second"], r.get("decode_tokens_per_second"),
+                    r["per_token_ms"], r["first_token_ms"], greedy])
+    return _table(["system", "runtime", "tokens/s", "decode tok/s", "ms/token", "first token ms", "greedy tokens"],
+                  out)
 
 
 def sweep_table(sweep: dict[str, list[dict[str, Any]]]) -> str:
@@ -67,6 +69,11 @@ def markdown(results: dict[str, Any]) -> str:
         title = (f"### Single stream (greedy, {single['max_new_tokens']} new tokens, {single['prompts']} prompts; "
                  f"reference: {single['reference']})")
         parts += [title, single_stream_table(single["rows"])]
+    if results.get("loop_efficiency"):
+        rows = [[mode, e["efficiency_min"], e["efficiency_median"], e["engine_ms_median"], e["replay_ms_median"],
+                 e["graph_calls_per_request"]] for mode, e in results["loop_efficiency"].items()]
+        parts += ["### Loop efficiency (replay of the same graph calls ÷ the engine's time; 1.0 = no host glue)",
+                  _table(["scheduler", "min", "median", "engine ms", "replay ms", "graph calls"], rows)]
     if results.get("load_sweep"):
         parts += [f"### Load sweep ({results['config']['sweep_new_tokens']} new tokens per request)",
                   sweep_table(results["load_sweep"])]

@@ -46,12 +46,17 @@ def speed(timelines: list[Timeline]) -> dict[str, float | None]:
     tokens = sum(len(t.tokens) for t in timelines)
     seconds = sum(t.seconds for t in timelines)
     inter = [t.inter_token_seconds for t in timelines if t.inter_token_seconds is not None]
+    decode_tokens = sum(t.counts[-1] - t.counts[0] for t in timelines if t.counts)
+    decode_seconds = sum(t.times[-1] - t.times[0] for t in timelines if t.times)
     return {
         "tokens": tokens,
         "seconds": round(seconds, 4),
         "tokens_per_second": round(tokens / seconds, 2) if seconds else None,
         "first_token_ms": round(1e3 * sum(t.first_token_seconds for t in timelines) / len(timelines), 3),
         "per_token_ms": round(1e3 * sum(inter) / len(inter), 3) if inter else None,
+        # decode alone: tokens after each request's first chunk over the time after it (prefill and
+        # per-request set-up, such as creating a generator, are in first_token_ms)
+        "decode_tokens_per_second": round(decode_tokens / decode_seconds, 2) if decode_seconds else None,
     }
 
 
