@@ -1,7 +1,7 @@
 """Flat-I/O wrappers around `TargetModel` for export: the concat-cache graph and the static one.
 
-Both reuse the model's own submodules, so their weights and numerics are the model's; the static
-variant only changes how attention reads the cache (see `attend_static`).
+Both run the model's own layer loop (`TargetModel.run`), so their weights and numerics are the
+model's; the static variant only changes the attention step (`static_cache_attention`).
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from dspark.models import TargetModel
+from dspark.models.target import KV, AttentionStep
 
 
 class TargetGraph(nn.Module):
@@ -63,6 +64,18 @@ def attend_static(
     return out.reshape(b, heads, t, hd).transpose(1, 2).reshape(b, t, heads * hd)
 
 
+def static_cache_attention(
+    mask: torch.Tensor,  # [B, 1, T, C+T] bool
+    cache: tuple[torch.Tensor, ...],  # per layer key, value [B, kvh, C, hd]
+) -> AttentionStep:
+    """`attend_static` over layer i's cache buffers; the layer hands back only its new K/V."""
+
+    def step(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, KV]:
+        return attend_static(q, cache[2 * i], cache[2 * i + 1], k, v, mask), (k, v)
+
+    return step
+
+
 class StaticCacheTargetGraph(nn.Module):
     """(input_ids, position_ids, attention_mask, *cache k/v) -> (logits, context_features, *new k/v).
 
@@ -81,23 +94,5 @@ class StaticCacheTargetGraph(nn.Module):
         attention_mask: torch.Tensor,  # [B, 1, T, C+T] bool
         *cache: torch.Tensor,  # per layer key, value [B, kvh, C, hd]
     ) -> tuple[torch.Tensor, ...]:
-        m = self.model
-        x = m.embed_tokens(input_ids)
-        cos, sin = m.rotary(position_ids, x.dtype)
-        features = {-1: x}
-        new: list[torch.Tensor] = []
-        for i, layer in enumerate(m.layers):
-            attn = layer.self_attn
-            h = layer.input_layernorm(x)
-            q = attn.queries(h, cos, sin)
-            k, v = attn.keys_values(h, cos, sin)
-            x = x + attn.o_proj(attend_static(q, cache[2 * i], cache[2 * i + 1], k, v, attention_mask))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-            features[i] = x
-            new += [k, v]
-        logits = m.lm_head(m.norm(x))
-        if m.context_layer_ids:
-            context = torch.cat([features[i] for i in m.context_layer_ids], dim=-1)
-        else:
-            context = x.new_zeros(x.shape[0], x.shape[1], 0)
-        return (logits, context, *new)
+        out = self.model.run(input_ids, position_ids, static_cache_attention(attention_mask, cache))
+        return (out.logits, out.context_features, *(t for kv in out.present for t in kv))

@@ -3,11 +3,18 @@
 Everything a step depends on is an explicit argument: token ids, position ids, a boolean
 attention mask over past+new keys, and the past KV cache. The forward returns the logits, the
 context features the drafter consumes, and the present KV cache (past + new tokens).
+
+How a layer's queries meet the cache is the one step that varies between the forward and the
+exported graphs, so `TargetModel.run` takes it as an argument (`AttentionStep`): the forward
+passes `concat_cache_attention` (keys = past ++ new); the static-cache export graph passes one
+that reads a fixed-size cache and returns only the new keys/values.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -17,7 +24,12 @@ from .checkpoint import load_weights, read_tensors
 from .config import DecoderConfig, IncompatibleDrafterError, TargetConfig
 from .layers import MLP, AttentionProjections, RMSNorm, RotaryEmbedding, attend
 
-KVCache = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: key, value [B, kv_heads, S, hd]
+KV = tuple[torch.Tensor, torch.Tensor]  # key, value [B, kv_heads, S, hd]
+KVCache = list[KV]  # per layer
+# (q [B, heads, T, hd], new k, v [B, kvh, T, hd]) -> (attention output [B, T, heads*hd], the layer's K/V)
+LayerAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, KV]]
+# The same with the layer index first: what `TargetModel.run` takes.
+AttentionStep = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, KV]]
 
 
 def causal_mask(batch: int, tokens: int, past: int, device: torch.device | None = None) -> torch.Tensor:
@@ -38,13 +50,27 @@ def crop_kv_cache(cache: KVCache, length: int) -> KVCache:
     return [(k[:, :, :length], v[:, :, :length]) for k, v in cache]
 
 
+def concat_cache_attention(
+    mask: torch.Tensor,  # [B, 1, T, S+T] bool
+    past: KVCache,  # per layer [B, kvh, S, hd]
+) -> AttentionStep:
+    """Keys/values = past ++ new, one `attend` over them; the layer hands back past ++ new."""
+
+    def step(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, KV]:
+        k = torch.cat((past[i][0], k), dim=2)
+        v = torch.cat((past[i][1], v), dim=2)
+        return attend(q, k, v, mask), (k, v)
+
+    return step
+
+
 @dataclass
 class TargetOutput:
     """B = batch, T = new tokens, V = vocab, F = len(context_layer_ids) * hidden."""
 
     logits: torch.Tensor  # [B, T, V]
     context_features: torch.Tensor  # [B, T, F]
-    present: KVCache  # per layer [B, kv_heads, past+T, hd]
+    present: KVCache  # per layer what the attention step hands back: forward's [B, kv_heads, past+T, hd]
 
 
 class DecoderLayer(nn.Module):
@@ -60,17 +86,15 @@ class DecoderLayer(nn.Module):
         x: torch.Tensor,  # [B, T, H]
         cos: torch.Tensor,  # [B, 1, T, hd]
         sin: torch.Tensor,
-        mask: torch.Tensor,  # [B, 1, T, S+T]
-        past: tuple[torch.Tensor, torch.Tensor],  # [B, kvh, S, hd] each
-    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        attention: LayerAttention,
+    ) -> tuple[torch.Tensor, KV]:
         h = self.input_layernorm(x)
         q = self.self_attn.queries(h, cos, sin)
         k, v = self.self_attn.keys_values(h, cos, sin)
-        k = torch.cat((past[0], k), dim=2)
-        v = torch.cat((past[1], v), dim=2)
-        x = x + self.self_attn.o_proj(attend(q, k, v, mask))
+        out, kv = attention(q, k, v)
+        x = x + self.self_attn.o_proj(out)
         x = x + self.mlp(self.post_attention_layernorm(x))
-        return x, (k, v)
+        return x, kv
 
 
 class TargetModel(nn.Module):
@@ -108,25 +132,39 @@ class TargetModel(nn.Module):
         past_key_values: KVCache | None = None,  # per layer [B, kvh, S, hd]
     ) -> TargetOutput:
         batch, tokens = input_ids.shape
-        x = self.embed_tokens(input_ids)
         if past_key_values is None:
-            past_key_values = empty_kv_cache(self.config, batch, x.dtype)
-        past = past_key_values[0][0].shape[2]
+            past_key_values = empty_kv_cache(self.config, batch, self.embed_tokens.weight.dtype)
         if attention_mask is None:
-            attention_mask = causal_mask(batch, tokens, past, x.device)
+            past = past_key_values[0][0].shape[2]
+            attention_mask = causal_mask(batch, tokens, past, input_ids.device)
+        return self.run(input_ids, position_ids, concat_cache_attention(attention_mask, past_key_values))
+
+    def run(
+        self,
+        input_ids: torch.Tensor,  # [B, T] int64
+        position_ids: torch.Tensor,  # [B, T] int64
+        attention: AttentionStep,  # how layer i's queries meet its cache
+    ) -> TargetOutput:
+        """The layer loop: embed, every decoder layer with `attention` as its attention step, the
+        LM head, and the context features of `context_layer_ids`."""
+        x = self.embed_tokens(input_ids)
         cos, sin = self.rotary(position_ids, x.dtype)
         features = {-1: x}
         present: KVCache = []
         for i, layer in enumerate(self.layers):
-            x, kv = layer(x, cos, sin, attention_mask, past_key_values[i])
+            x, kv = layer(x, cos, sin, partial(attention, i))
             present.append(kv)
             features[i] = x
         logits = self.lm_head(self.norm(x))
-        if self.context_layer_ids:
-            context = torch.cat([features[i] for i in self.context_layer_ids], dim=-1)
-        else:
-            context = x.new_zeros(batch, tokens, 0)
-        return TargetOutput(logits=logits, context_features=context, present=present)
+        return TargetOutput(logits=logits, context_features=self.context_features(features), present=present)
+
+    def context_features(self, features: dict[int, torch.Tensor]) -> torch.Tensor:
+        """{layer id: [B, T, H]} (-1 = embedding output) -> [B, T, F]: DeepSpec's concatenation
+        of `context_layer_ids` ([B, T, 0] when there are none)."""
+        if not self.context_layer_ids:
+            x = features[-1]
+            return x.new_zeros(x.shape[0], x.shape[1], 0)
+        return torch.cat([features[i] for i in self.context_layer_ids], dim=-1)
 
     @classmethod
     def from_pretrained(
