@@ -9,20 +9,23 @@ with a survival ≥ a_{r,j}, never on the draft token x_{r,j} itself (Appendix A
 
 Modes: `dspark` (Algorithm 1), `fixed` (γ' tokens), `threshold` (first per-slot confidence
 below a threshold, DeepSpec's static rule), `off` (0 drafts: plain autoregressive decoding).
+
+Algorithm 1 itself (`admit_by_throughput`, `ThroughputRule`) is written once here; the tree node
+scheduler (`tree_builder.node_budgets`, and `build_tree` while it grows a tree) runs the same rule
+over tree nodes instead of chain slots.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from .scheduler import threshold_length
-
 MODES = ("dspark", "fixed", "threshold", "off")
 
 StepSeconds = Callable[[int, int], float]  # (requests R, verified tokens B) -> seconds per step
+Throughput = Callable[[float, int], float]  # (expected accepts τ, verified tokens B) -> Θ tokens/s
 
 
 class SchedulerConfigError(ValueError):
@@ -74,27 +77,58 @@ def survival(confidence_logits: torch.Tensor, temperatures: tuple[float, ...] | 
     return torch.sigmoid(logits).cumprod(dim=1)
 
 
-def prefix_schedule(survival_probs: torch.Tensor, step_seconds: StepSeconds) -> Decision:
-    """Algorithm 1. survival_probs [R, γ], non-increasing along γ. SPS(B) = 1 / step_seconds(R, B)."""
-    requests, gamma = survival_probs.shape
-    values = survival_probs.tolist()
-    # Descending survival; ties keep (request, slot) order so a request's slots stay in prefix order.
+class ThroughputRule:
+    """Algorithm 1's admission test: admit a candidate of survival `a` iff it raises Θ(τ, B);
+    the caller stops at the first refusal. Starts from B = R verified roots and τ = R."""
+
+    def __init__(self, requests: int, throughput: Throughput) -> None:
+        self.throughput, self.tokens, self.tau = throughput, requests, float(requests)
+        self.best = throughput(self.tau, requests) if requests else 0.0
+
+    def admit(self, a: float) -> bool:
+        theta = self.throughput(self.tau + a, self.tokens + 1)
+        if a <= 0.0 or theta <= self.best:
+            return False
+        self.best, self.tau, self.tokens = theta, self.tau + a, self.tokens + 1
+        return True
+
+
+def admit_by_throughput(survivals: Sequence[Sequence[float]], throughput: Throughput) -> Decision:
+    """Algorithm 1 over ragged rows: survivals[r][j] of request r's j-th candidate (chain slot or
+    best-first tree node), non-increasing along each row. Candidates with a > 0 are taken by
+    descending survival (ties: request, then position, so a request's candidates stay in prefix
+    order) and admitted while Θ rises; the first refusal stops the scan. -> lengths[r] = admitted
+    prefix of row r, τ, Θ, candidates considered."""
     candidates = sorted(
-        ((values[r][j], r, j) for r in range(requests) for j in range(gamma) if values[r][j] > 0),
+        ((a, r, j) for r, row in enumerate(survivals) for j, a in enumerate(row) if a > 0),
         key=lambda c: (-c[0], c[1], c[2]),
     )
-    lengths = [0] * requests
-    tokens, tau = requests, float(requests)
-    best = tau / step_seconds(requests, tokens)
+    lengths = [0] * len(survivals)
+    rule = ThroughputRule(len(survivals), throughput)
     considered = 0
     for a, r, j in candidates:
         considered += 1
-        theta = (tau + a) / step_seconds(requests, tokens + 1)
-        if theta <= best:
+        if not rule.admit(a):
             break  # early stop: nothing after this candidate is looked at
-        best, tau, tokens = theta, tau + a, tokens + 1
         lengths[r] = j + 1
-    return Decision(tuple(lengths), tau, best, considered)
+    return Decision(tuple(lengths), rule.tau, rule.best, considered)
+
+
+def prefix_schedule(survival_probs: torch.Tensor, step_seconds: StepSeconds) -> Decision:
+    """Algorithm 1 over chain slots. survival_probs [R, γ], non-increasing along γ.
+    Θ = τ·SPS(B) with SPS(B) = 1 / step_seconds(R, B)."""
+    requests = survival_probs.shape[0]
+    return admit_by_throughput(survival_probs.tolist(), lambda tau, tokens: tau / step_seconds(requests, tokens))
+
+
+def threshold_length(confidence_logits: torch.Tensor, threshold: float) -> int:
+    """Index of the first slot whose confidence σ(c_k) falls below `threshold` (per position, not
+    cumulative, as DeepSpec's static threshold does), or every slot if none does; every slot when
+    threshold <= 0. confidence_logits [γ]."""
+    if threshold <= 0.0:
+        return confidence_logits.shape[0]
+    below = (torch.sigmoid(confidence_logits) < threshold).nonzero()
+    return int(below[0]) if below.numel() else confidence_logits.shape[0]
 
 
 def schedule(

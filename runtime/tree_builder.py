@@ -33,6 +33,8 @@ import torch
 
 from dspark.models import DSparkDrafter
 
+from .prefix_scheduler import Throughput, ThroughputRule, admit_by_throughput
+
 TreeMode = Literal["markov", "marginals"]
 TREE_MODES: tuple[str, ...] = ("markov", "marginals")
 
@@ -182,7 +184,7 @@ def build_tree(
             heapq.heappush(heap, (-score, counter, parent, rank))
             counter += 1
 
-    rule = None if sps is None else ThroughputRule(1, sps)
+    rule = None if sps is None else ThroughputRule(1, _throughput(sps))
     push(0, 0)
     while heap and tree.num_nodes < num_nodes:
         key, _, parent, rank = heapq.heappop(heap)
@@ -260,7 +262,8 @@ def node_budgets(
     sps: Callable[[int], float],  # steps per second when verifying B tokens in one step
     max_nodes: int | None = None,  # cap per request
 ) -> NodeBudget:
-    """The prefix scheduler (DSpark Algorithm 1) generalised from chain slots to tree nodes.
+    """The prefix scheduler (DSpark Algorithm 1, `prefix_scheduler.admit_by_throughput`) over
+    tree nodes instead of chain slots.
 
     A node's survival is the probability that the target accepts it (e.g. its path product of
     calibrated draft probabilities); the expected accepted length of a tree is 1 + the sum of its
@@ -273,7 +276,6 @@ def node_budgets(
     """
     if max_nodes is not None and max_nodes < 0:
         raise TreeConfigError(f"max_nodes must be >= 0, got {max_nodes}")
-    requests = len(survivals)
     for r, row in enumerate(survivals):
         bad = [i for i, (a, b) in enumerate(itertools.pairwise(row)) if b > a]
         if bad:
@@ -281,33 +283,11 @@ def node_budgets(
                 f"survivals of request {r} must be non-increasing (best-first order); node {bad[0] + 1} "
                 f"has {row[bad[0] + 1]} after {row[bad[0]]}"
             )
-    cap = max_nodes if max_nodes is not None else max((len(row) for row in survivals), default=0)
-    candidates = sorted(
-        ((a, r, i) for r, row in enumerate(survivals) for i, a in enumerate(row[:cap]) if a > 0),
-        key=lambda c: (-c[0], c[1], c[2]),
-    )
-    nodes = [0] * requests
-    rule = ThroughputRule(requests, sps)
-    considered = 0
-    for a, r, i in candidates:
-        considered += 1
-        if not rule.admit(a):
-            break
-        nodes[r] = i + 1
-    return NodeBudget(tuple(nodes), rule.tau, rule.best, considered)
+    rows = survivals if max_nodes is None else [row[:max_nodes] for row in survivals]
+    decision = admit_by_throughput(rows, _throughput(sps))
+    return NodeBudget(decision.lengths, decision.expected_accepts, decision.expected_throughput, decision.considered)
 
 
-class ThroughputRule:
-    """Algorithm 1's admission test: admit a candidate of survival `a` iff it raises Θ = τ·SPS(B);
-    the caller stops at the first refusal. Starts from B = R verified roots and τ = R."""
-
-    def __init__(self, requests: int, sps: Callable[[int], float]) -> None:
-        self.sps, self.tokens, self.tau = sps, requests, float(requests)
-        self.best = self.tau * sps(requests) if requests else 0.0
-
-    def admit(self, a: float) -> bool:
-        theta = (self.tau + a) * self.sps(self.tokens + 1)
-        if a <= 0.0 or theta <= self.best:
-            return False
-        self.best, self.tau, self.tokens = theta, self.tau + a, self.tokens + 1
-        return True
+def _throughput(sps: Callable[[int], float]) -> Throughput:
+    """Θ(τ, B) = τ·SPS(B) from steps per second at B verified tokens."""
+    return lambda tau, tokens: tau * sps(tokens)
