@@ -20,11 +20,11 @@ import torch
 
 from dspark.models import DSparkDrafter, TargetModel, crop_kv_cache
 
+from .prefix_scheduler import threshold_length
 from .proposer import propose_block
 from .rejection import verify_chain
 from .requests import RequestError, truncate_at_stop, validate_request
 from .sampling import sample_token
-from .scheduler import threshold_length
 
 
 @dataclass
