@@ -1,5 +1,5 @@
-"""Reading the files dspark writes (export.json, engine.json, graphs, plans): one error type that
-names the file and what is wrong with it, so every command can print it as one line."""
+"""Reading the files dspark writes or ships (export.json, engine.json, graphs, plans, tokenizer.json):
+one error type that names the file and what is wrong with it, so every command can print it as one line."""
 
 from __future__ import annotations
 
@@ -16,6 +16,12 @@ class ArtifactError(ValueError):
     def __init__(self, path: str | Path, problem: str, fix: str = "") -> None:
         self.path = Path(path)
         super().__init__(f"{path}: {problem}" + (f"; {fix}" if fix else ""))
+
+
+def first_line(exc: BaseException) -> str:
+    """A foreign library's error as a short reason (its first line, or its type), for a one-line message."""
+    text = str(exc).strip()
+    return text.splitlines()[0][:200] if text else type(exc).__name__
 
 
 def sha256(path: Path) -> str:
@@ -55,3 +61,16 @@ def check_sha256(path: Path, expected: str, fix: str) -> None:
         raise ArtifactError(path, "is missing", fix)
     if sha256(path) != expected:
         raise ArtifactError(path, "does not match the sha256 its manifest records (modified or truncated)", fix)
+
+
+def read_tokenizer(path: Path, fix: str) -> Any:
+    """The `tokenizers.Tokenizer` in tokenizer.json; ArtifactError when the file is missing or unreadable
+    (tokenizers itself raises a bare Exception that does not name the file)."""
+    if not path.is_file():
+        raise ArtifactError(path, "is missing", fix)
+    from tokenizers import Tokenizer  # only commands given text need it
+
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as exc:
+        raise ArtifactError(path, f"is not a readable tokenizer.json ({first_line(exc)})", fix) from None

@@ -15,6 +15,7 @@ from dspark.models import DrafterConfig, TargetConfig
 
 from .artifacts import ArtifactError, check_sha256, check_size, read_json_object, sha256
 from .contract import DTYPES, GraphSpec, TensorSpec
+from .engine_dir import ENGINE_JSON, REBUILD
 
 MANIFEST = "export.json"
 FORMAT_VERSION = 1
@@ -81,22 +82,34 @@ def write_manifest(out_dir: Path, manifest: dict[str, Any]) -> Path:
     return path
 
 
-def read_manifest(export_dir: str | Path, *, verify: str = "size") -> dict[str, Any]:
+def remedy(export_dir: Path) -> str:
+    """What to do about a bad file in `export_dir`: rebuild it if it is an engine dir, else re-export."""
+    return REBUILD if (export_dir / ENGINE_JSON).is_file() else REEXPORT
+
+
+def read_manifest(export_dir: str | Path, *, verify: str = "size", of_engine: bool = False) -> dict[str, Any]:
     """export.json of `export_dir`, schema-checked. verify: "size" (each graph file present with its
-    recorded size: cheap), "sha256" (also hashed) or "none"."""
+    recorded size: cheap), "sha256" (also hashed) or "none". An export.json that dspark-build-engine
+    derived for an engine is refused without its engine.json (which holds the buckets, SPS table and
+    temperatures), unless `of_engine`: the caller reads it for that engine (the builder, before
+    engine.json is written)."""
     root = Path(export_dir)
     path = root / MANIFEST
     if not root.is_dir():
         raise ArtifactError(root, "is not a directory", "give a dspark-export or dspark-build-engine output")
-    manifest = read_json_object(path, REEXPORT)
-    _validate(manifest, path)
+    fix = remedy(root)
+    manifest = read_json_object(path, fix)
+    _validate(manifest, path, fix)
+    if "derived_from" in manifest and not of_engine and not (root / ENGINE_JSON).is_file():
+        raise ArtifactError(root / ENGINE_JSON, f"is missing, but {MANIFEST} beside it was derived for an engine "
+                            "by dspark-build-engine", REBUILD)
     if verify != "none":
         for entry in manifest["graphs"].values():
             for f in entry["files"]:
                 if verify == "sha256":
-                    check_sha256(root / f["path"], f["sha256"], REEXPORT)
+                    check_sha256(root / f["path"], f["sha256"], fix)
                 else:
-                    check_size(root / f["path"], f["bytes"], REEXPORT)
+                    check_size(root / f["path"], f["bytes"], fix)
     return manifest
 
 
@@ -117,9 +130,9 @@ _INT_FIELDS = {
 _REQUIRED_GRAPHS = ("target", "drafter_backbone")
 
 
-def _validate(manifest: dict[str, Any], path: Path) -> None:
+def _validate(manifest: dict[str, Any], path: Path, fix: str) -> None:
     def fail(problem: str) -> None:
-        raise ArtifactError(path, problem, REEXPORT)
+        raise ArtifactError(path, problem, fix)
 
     if manifest.get("format_version") != FORMAT_VERSION:
         fail(f"format_version {manifest.get('format_version')!r} is not {FORMAT_VERSION}")

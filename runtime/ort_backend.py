@@ -20,9 +20,9 @@ import onnxruntime as ort
 import torch
 
 from dspark.export import contract as C
-from dspark.export.artifacts import ArtifactError
+from dspark.export.artifacts import ArtifactError, first_line
 from dspark.export.engine_dir import EngineDir
-from dspark.export.manifest import graph_specs, read_manifest
+from dspark.export.manifest import graph_specs, read_manifest, remedy
 
 from .backend import Array, Backend
 
@@ -41,10 +41,11 @@ class OrtBackend(Backend):
         *,
         providers: list[str] | None = None,
         intra_op_threads: int = 0,  # 0 = ORT's default (all cores)
+        of_engine: bool = False,  # read for an engine (for_engine): its derived export.json is expected
     ) -> None:
         super().__init__()
         self.export_dir = Path(export_dir)
-        self.manifest = read_manifest(self.export_dir)
+        self.manifest = read_manifest(self.export_dir, of_engine=of_engine)
         if self.manifest["dtype"] != "float32" and (providers or [CPU]) == [CPU]:
             raise ArtifactError(self.export_dir / "export.json", f"holds {self.manifest['dtype']} graphs, which "
                                 "ONNX Runtime's CPU provider cannot run", "re-export with --dtype float32")
@@ -64,7 +65,7 @@ class OrtBackend(Backend):
     def for_engine(cls, engine: EngineDir) -> OrtBackend:
         session = engine.manifest.get("session", {})
         return cls(engine.contract_dir, providers=session.get("providers"),
-                   intra_op_threads=engine.intra_op_threads)
+                   intra_op_threads=engine.intra_op_threads, of_engine=True)
 
     @property
     def specs(self) -> dict[str, C.GraphSpec]:
@@ -76,9 +77,8 @@ class OrtBackend(Backend):
                 self._sessions[graph] = ort.InferenceSession(str(path), self.options, providers=self.providers)
             except Exception as exc:  # ORT raises its own pybind types (InvalidProtobuf, Fail, ...)
                 self._sessions.clear()
-                first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
-                raise ArtifactError(path, f"ONNX Runtime cannot load it ({first})",
-                                    "re-run dspark-export / dspark-build-engine") from None
+                raise ArtifactError(path, f"ONNX Runtime cannot load it ({first_line(exc)})",
+                                    remedy(self.export_dir)) from None
 
     def _close(self) -> None:
         self._sessions.clear()

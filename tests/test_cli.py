@@ -1,23 +1,108 @@
-"""The `dspark` command line: help, unbuilt commands, and `dspark generate` end to end."""
+"""The `dspark` command line: help, the export/build-engine aliases, the one-line error policy,
+unbuilt commands, and `dspark generate` end to end."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
+import click
 import pytest
 from click.testing import CliRunner
 from conftest import golden_path
 
 from dspark.models import TargetModel
 from dspark.runtime.reference_decoder import autoregressive_generate
-from dspark.tools.cli import _NOT_BUILT, main
+from dspark.tools.cli import _COMMANDS, _NOT_BUILT, main
+
+
+def _one_line_error(result, prog: str, *fragments: str) -> str:
+    """The policy: exit 2, exactly one line `<prog>: error: ...`, no traceback."""
+    assert result.exit_code == 2, result.output
+    assert isinstance(result.exception, SystemExit), result.exception
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"{prog}: error: "), result.output
+    for fragment in fragments:
+        assert fragment in lines[0]
+    return lines[0]
 
 
 def test_help_lists_every_command():
     result = CliRunner().invoke(main, ["--help"])
     assert result.exit_code == 0
-    for name in ("generate", *_NOT_BUILT):
+    for name in (*_COMMANDS, *_NOT_BUILT):
         assert name in result.output
+
+
+def test_help_imports_no_command_module():
+    """`dspark --help` lists the commands from cli.py alone: no command module, no torch."""
+    code = ("import sys; from click.testing import CliRunner; from dspark.tools.cli import main; "
+            "assert CliRunner().invoke(main, ['--help']).exit_code == 0; "
+            "print(sorted(m for m in sys.modules if m.endswith('_command') or m == 'torch'))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
+
+
+def test_export_and_build_engine_are_the_console_scripts_commands(monkeypatch, capsys):
+    from dspark.tools import cli
+    from dspark.tools.build_engine_command import build_engine
+    from dspark.tools.export_command import export
+
+    ctx = click.Context(main)
+    assert main.get_command(ctx, "export") is export
+    assert main.get_command(ctx, "build-engine") is build_engine
+    assert CliRunner().invoke(main, ["--help"]).output.count("[not built yet]") == len(_NOT_BUILT)
+    for name, script, entry in (("export", "dspark-export", cli.export_main),
+                                ("build-engine", "dspark-build-engine", cli.build_engine_main)):
+        via_group = CliRunner().invoke(main, [name, "--help"])
+        assert via_group.exit_code == 0 and via_group.output.startswith(f"Usage: dspark {name} ")
+        monkeypatch.setattr(sys, "argv", [script, "--help"])
+        with pytest.raises(SystemExit) as done:
+            entry()
+        assert done.value.code == 0
+        via_script = capsys.readouterr().out
+        assert via_script.startswith(f"Usage: {script} ")
+        assert via_script.split("\n", 1)[1].split() == via_group.output.split("\n", 1)[1].split()  # any width
+
+
+@pytest.mark.parametrize(("args", "listed"), [
+    (["export", "--help"], "[float32|float16|bfloat16]"),
+    (["build-engine", "--help"], "[onnxruntime|tensorrt]"),
+    (["generate", "--help"], "[dspark|fixed|threshold|off]"),
+    (["generate", "--help"], "[concat|static]"),
+])
+def test_fixed_value_options_list_their_choices(args, listed):
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0 and listed in result.output
+
+
+@pytest.mark.parametrize(("args", "prog", "fragments"), [
+    (["export", "--target", "{t}", "--drafter", "{d}", "--out", "{o}", "--dtype", "fp32"], "dspark export",
+     ("'--dtype'", "'fp32' is not one of")),
+    (["build-engine", "{o}", "--out", "{o}", "--backend", "trt"], "dspark build-engine", ("'trt' is not one of",)),
+    (["export", "--target", "{t}", "--drafter", "{d}"], "dspark export", ("Missing option '--out'",)),
+    (["generate", "--engine", "{t}", "--prompt-ids", "1,2", "--scheduler", "greedy"], "dspark generate",
+     ("'greedy' is not one of",)),
+])
+def test_a_typo_is_one_line_before_any_work(tmp_path, args, prog, fragments):
+    root = golden_path("qwen3-tiny-vanilla")
+    out = tmp_path / "out"
+    args = [a.format(t=root / "target", d=root / "drafter", o=out) for a in args]
+    _one_line_error(CliRunner().invoke(main, args), prog, *fragments)
+    assert not out.exists()
+
+
+def test_user_errors_of_the_console_scripts_name_the_script(tmp_path):
+    from dspark.tools.export_command import export
+
+    result = CliRunner().invoke(export, ["--target", str(tmp_path / "nope"), "--drafter", str(tmp_path),
+                                         "--out", str(tmp_path / "out")], prog_name="dspark-export")
+    _one_line_error(result, "dspark-export", "does not exist")
+    result = CliRunner().invoke(main, ["export", "--target", str(tmp_path / "nope"), "--drafter", str(tmp_path),
+                                       "--out", str(tmp_path / "out")])
+    _one_line_error(result, "dspark export", "does not exist")
 
 
 @pytest.mark.parametrize("name", sorted(_NOT_BUILT))
@@ -51,6 +136,8 @@ def test_generate_json_equals_target_greedy(scheduler):
         (["--target", "{t}", "--prompt-ids", "1,2"], "--target needs --drafter"),
         (["--target", "{t}", "--drafter", "{d}"], "give exactly one of --prompt TEXT or --prompt-ids"),
         (["--target", "{t}", "--drafter", "{d}", "--prompt-ids", "1,x"], "expected comma-separated integers"),
+        (["--target", "{t}", "--drafter", "{d}", "--prompt-ids", ""], "expected at least one token id"),
+        (["--target", "{t}", "--drafter", "{d}", "--prompt-ids", " , "], "expected at least one token id"),
         (["--target", "{t}", "--drafter", "{d}", "--prompt-ids", "1,9999"], "outside the vocabulary"),
         (["--target", "{t}", "--drafter", "{d}", "--prompt", "hello"], "--prompt needs"),
     ],
@@ -59,8 +146,7 @@ def test_generate_refuses_bad_input(args, message):
     root = golden_path("qwen3-tiny-vanilla")
     args = [a.format(t=root / "target", d=root / "drafter") for a in args]
     result = CliRunner().invoke(main, ["generate", *args, "--scheduler", "fixed"])
-    assert result.exit_code == 2, result.output
-    assert message in result.output
+    _one_line_error(result, "dspark generate", message)
 
 
 def test_generate_without_engine_builds_the_demo_once_and_reuses_it(tmp_path, monkeypatch):

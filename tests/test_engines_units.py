@@ -184,6 +184,7 @@ def test_build_engine_user_errors_exit_2_with_one_line(tmp_path, case, words):
     code, output = _run(args)
     assert code == 2, output
     assert len(output.splitlines()) == 1 and words in output and "Traceback" not in output
+    assert output.startswith("dspark-build-engine: error: ")
 
 
 def test_tensorrt_missing_exits_2_naming_what_to_install(tmp_path, monkeypatch):

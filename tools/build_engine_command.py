@@ -1,8 +1,11 @@
-"""`dspark-build-engine`: a dspark-export directory -> an engine directory with engine.json."""
+"""`dspark-build-engine` (also `dspark build-engine`): a dspark-export directory -> an engine directory
+with engine.json."""
 
 from __future__ import annotations
 
 import click
+
+from .errors import OneLineErrors
 
 _PATH = str  # checked by build_engine, which reports one-line errors
 
@@ -16,7 +19,7 @@ def _print_table(manifest: dict) -> None:
             click.echo(f"{r:>8} " + cells)
 
 
-@click.command("dspark-build-engine", context_settings={"help_option_names": ["-h", "--help"]})
+@click.command("dspark-build-engine", cls=OneLineErrors, context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("export_dir", type=_PATH)
 @click.option("--out", "out_dir", required=True, type=_PATH, help="Engine directory to write (engine.json).")
 @click.option("--backend", default="onnxruntime", show_default=True,
@@ -47,33 +50,28 @@ def build_engine(export_dir, out_dir, backend, buckets, max_batch_tokens, max_ba
     from dspark.engines import build as B
     from dspark.engines.buckets import parse_buckets
     from dspark.engines.export_source import BuildError, load_export
-    from dspark.export.artifacts import ArtifactError
-    from dspark.export.engine_dir import BucketError
-    from dspark.runtime.backend import BackendUnavailable
+
+    prog = click.get_current_context().command_path
 
     def progress(message: str) -> None:
         if not quiet:
-            click.echo(f"dspark-build-engine: {message}", err=True)
+            click.echo(f"{prog}: {message}", err=True)
 
-    try:
-        if reprofile:
-            load_export(export_dir)
-            manifest = B.reprofile(out_dir, repeats=repeats, progress=progress)
-            if calibrate_data:
-                manifest = B.calibrate_engine(out_dir, calibrate_data, tokenizer=tokenizer, progress=progress)
-        else:
-            options = B.BuildOptions(backend=backend, buckets=parse_buckets(buckets) if buckets else None,
-                                   max_batch_tokens=max_batch_tokens, max_batch=max_batch, max_seq_len=max_seq_len,
-                                   threads=threads, profile_past=profile_past, repeats=repeats)
-            if tokenizer and not Path(tokenizer).is_file():
-                raise BuildError(f"--tokenizer {tokenizer} does not exist")
-            manifest = B.build_engine(export_dir, out_dir, options, calibrate_data=calibrate_data,
-                                    tokenizer=tokenizer, progress=progress)
-            if tokenizer:
-                shutil.copyfile(tokenizer, Path(out_dir) / "tokenizer.json")
-    except (BuildError, BucketError, ArtifactError, BackendUnavailable) as exc:
-        click.echo(f"dspark-build-engine: error: {exc}", err=True)
-        raise SystemExit(2) from None
+    if reprofile:
+        load_export(export_dir)
+        manifest = B.reprofile(out_dir, repeats=repeats, progress=progress)
+        if calibrate_data:
+            manifest = B.calibrate_engine(out_dir, calibrate_data, tokenizer=tokenizer, progress=progress)
+    else:
+        options = B.BuildOptions(backend=backend, buckets=parse_buckets(buckets) if buckets else None,
+                                 max_batch_tokens=max_batch_tokens, max_batch=max_batch, max_seq_len=max_seq_len,
+                                 threads=threads, profile_past=profile_past, repeats=repeats)
+        if tokenizer and not Path(tokenizer).is_file():
+            raise BuildError(f"--tokenizer {tokenizer} does not exist")
+        manifest = B.build_engine(export_dir, out_dir, options, calibrate_data=calibrate_data,
+                                  tokenizer=tokenizer, progress=progress)
+        if tokenizer:
+            shutil.copyfile(tokenizer, Path(out_dir) / "tokenizer.json")
     _print_table(manifest)
     cal = manifest["calibration"]
     if cal:

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import click
 
+from .errors import OneLineErrors
 
-@click.command("calibrate")
+
+@click.command("calibrate", cls=OneLineErrors)
 @click.argument("engine_dir", type=str)
 @click.argument("data", type=str)
 @click.option("--tokenizer", type=str, help="tokenizer.json for text data (default: the engine's or export's).")
@@ -18,17 +20,11 @@ import click
 def calibrate(engine_dir, data, tokenizer, prompt_len, max_new_tokens, holdout) -> None:
     """Fit per-slot confidence temperatures on DATA; write them and ECE before/after to engine.json."""
     from dspark.engines.build import calibrate_engine
-    from dspark.engines.export_source import BuildError
-    from dspark.export.artifacts import ArtifactError
-    from dspark.runtime.backend import BackendUnavailable
 
-    try:
-        manifest = calibrate_engine(engine_dir, data, tokenizer=tokenizer, prompt_len=prompt_len,
-                                    max_new_tokens=max_new_tokens, holdout_fraction=holdout,
-                                    progress=lambda m: click.echo(f"dspark calibrate: {m}", err=True))
-    except (BuildError, ArtifactError, BackendUnavailable) as exc:
-        click.echo(f"dspark calibrate: error: {exc}", err=True)
-        raise SystemExit(2) from None
+    prog = click.get_current_context().command_path
+    manifest = calibrate_engine(engine_dir, data, tokenizer=tokenizer, prompt_len=prompt_len,
+                                max_new_tokens=max_new_tokens, holdout_fraction=holdout,
+                                progress=lambda m: click.echo(f"{prog}: {m}", err=True))
     cal = manifest["calibration"]
     click.echo(f"temperatures   {' '.join(f'{t:.3f}' for t in cal['temperatures'])}")
     click.echo(f"ECE before     {' '.join(f'{e:.4f}' for e in cal['ece_before'])}  (mean {cal['ece_before_mean']:.4f})")

@@ -1,7 +1,10 @@
 """Console entry points: `dspark`, `dspark-export`, `dspark-build-engine`.
 
 Each command lives in its own module and is imported only when it runs, so `dspark --help`
-stays fast and a missing optional dependency only affects the command that needs it.
+(which lists the one-line help kept here) stays fast and a missing optional dependency only
+affects the command that needs it. `dspark export` and `dspark build-engine` are the very
+command objects the `dspark-export` and `dspark-build-engine` scripts run. export, build-engine,
+generate and calibrate report user errors as one line and exit status 2 (`dspark.tools.errors`).
 """
 
 from __future__ import annotations
@@ -12,13 +15,15 @@ import click
 
 # name -> (module under dspark.tools, click command attribute, one-line help)
 _COMMANDS: dict[str, tuple[str, str, str]] = {
+    "export": ("export_command", "export", "Export a target and its drafter to ONNX (as dspark-export)."),
+    "build-engine": ("build_engine_command", "build_engine",
+                     "Build an engine from an export (as dspark-build-engine)."),
     "generate": ("generate_command", "generate", "Generate text with speculative decoding."),
     "train": ("train_command", "train", "Train the bundled demo tokenizer, target and drafters."),
     "bench": ("bench_command", "bench", "Benchmark against other runtimes, with plots."),
     "calibrate": ("calibrate_command", "calibrate", "Sequential Temperature Scaling of confidences."),
 }
 _NOT_BUILT = {
-    "export": "use dspark-export",
     "serve": "an HTTP server",
 }
 
@@ -29,11 +34,22 @@ class _LazyGroup(click.Group):
 
     def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
         if name in _COMMANDS:
-            module, attr, _ = _COMMANDS[name]
-            return getattr(importlib.import_module(f"dspark.tools.{module}"), attr)
+            return _load(name)
         if name in _NOT_BUILT:
             return _not_built(name, _NOT_BUILT[name])
         return None
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        """The command list from the help kept above, without importing any command module."""
+        rows = [(name, _COMMANDS[name][2] if name in _COMMANDS else f"[not built yet] {_NOT_BUILT[name]}.")
+                for name in self.list_commands(ctx)]
+        with formatter.section("Commands"):
+            formatter.write_dl(rows)
+
+
+def _load(name: str) -> click.Command:
+    module, attr, _ = _COMMANDS[name]
+    return getattr(importlib.import_module(f"dspark.tools.{module}"), attr)
 
 
 def _not_built(name: str, what: str) -> click.Command:
@@ -46,15 +62,17 @@ def _not_built(name: str, what: str) -> click.Command:
     return command
 
 
-@click.group(cls=_LazyGroup)
+@click.group("dspark", cls=_LazyGroup)
 @click.version_option(package_name="dspark")
 def main() -> None:
     """dspark: DSpark speculative decoding, compiled and served."""
 
 
 def export_main() -> None:
-    importlib.import_module("dspark.tools.export_command").export()
+    """The `dspark-export` script: the command `dspark export` runs."""
+    _load("export")()
 
 
 def build_engine_main() -> None:
-    importlib.import_module("dspark.tools.build_engine_command").build_engine()
+    """The `dspark-build-engine` script: the command `dspark build-engine` runs."""
+    _load("build-engine")()

@@ -1,24 +1,30 @@
-"""`dspark-export`: a target and its DSpark drafter -> ONNX graphs + export.json."""
+"""`dspark-export` (also `dspark export`): a target and its DSpark drafter -> ONNX graphs + export.json.
+
+The option types come from the exporter (dtypes, opset range), so this module imports it at the
+top; `dspark.tools.cli` imports this module only when the command runs. A --dtype typo is refused
+by click before any work, an opset out of range by `export_pair` (ExportError).
+"""
 
 from __future__ import annotations
 
 import click
 
 from dspark.export.contract import DTYPES
-from dspark.export.lower import MAX_OPSET, MIN_OPSET, ExportError
-from dspark.export.pipeline import DEFAULT_OPSET
-from dspark.models import CheckpointError, IncompatibleDrafterError
+from dspark.export.lower import MAX_OPSET, MIN_OPSET
+from dspark.export.pipeline import DEFAULT_OPSET, export_pair
 
-_DIR = str  # checked by export_pair, which reports one-line errors
+from .errors import OneLineErrors
+
+_DIR = str  # checked by export_pair, whose CheckpointError names the folder and the problem
 
 
-@click.command("dspark-export", context_settings={"help_option_names": ["-h", "--help"]})
+@click.command("dspark-export", cls=OneLineErrors, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--target", "target_dir", required=True, type=_DIR, help="Hugging Face target folder.")
 @click.option(
     "--drafter", "drafter_dir", required=True, type=_DIR, help="DeepSpec DSpark/DFlash drafter folder."
 )
 @click.option("--out", "out_dir", required=True, type=_DIR, help="Output folder (graphs + export.json).")
-@click.option("--dtype", default="float32", show_default=True, help=f"Graph precision: {', '.join(DTYPES)}.")
+@click.option("--dtype", default="float32", show_default=True, type=click.Choice(DTYPES), help="Graph precision.")
 @click.option(
     "--opset",
     default=DEFAULT_OPSET,
@@ -32,21 +38,15 @@ def export(
     target_dir: str, drafter_dir: str, out_dir: str, dtype: str, opset: int, no_check: bool, quiet: bool
 ) -> None:
     """Export the target, drafter backbone and heads of a DSpark pair to ONNX."""
-    from dspark.export.pipeline import export_pair  # torch/onnx import only when running
-
-    try:
-        manifest = export_pair(
-            target_dir,
-            drafter_dir,
-            out_dir,
-            dtype=dtype,
-            opset=opset,
-            check=not no_check,
-            show_progress=not quiet,
-        )
-    except (CheckpointError, IncompatibleDrafterError, ExportError) as exc:
-        click.echo(f"dspark-export: error: {exc}", err=True)
-        raise SystemExit(2) from None
+    manifest = export_pair(
+        target_dir,
+        drafter_dir,
+        out_dir,
+        dtype=dtype,
+        opset=opset,
+        check=not no_check,
+        show_progress=not quiet,
+    )
     for name, graph in manifest["graphs"].items():
         size = sum(f["bytes"] for f in graph["files"])
         line = f"{graph['file']:<26} {size / 2**20:9.2f} MiB  {graph['export_seconds']:6.2f} s"

@@ -7,24 +7,32 @@ import time
 
 import click
 
+from .errors import OneLineErrors
+
 _DIR = click.Path(exists=True, file_okay=False, path_type=str)
 
 
-def _parse_ids(text: str) -> list[int]:
+def _parse_ids(ctx: click.Context, param: click.Parameter, text: str | None) -> list[int] | None:
+    """--prompt-ids as a non-empty list of ints, refused while parsing (before any model loads)."""
+    if text is None:
+        return None
     try:
-        return [int(t) for t in text.replace(" ", "").split(",") if t]
-    except ValueError as exc:
-        raise click.BadParameter(f"expected comma-separated integers, got {text!r}") from exc
+        ids = [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise click.BadParameter(f"expected comma-separated integers, got {text!r}") from None
+    if not ids:
+        raise click.BadParameter(f"expected at least one token id (e.g. 1,2,3), got {text!r}")
+    return ids
 
 
-@click.command("generate")
+@click.command("generate", cls=OneLineErrors)
 @click.option("--engine", "engine_dir", type=_DIR,
               help="Engine or dspark-export directory (ONNX Runtime). Default: the bundled demo pair, built "
                    "into the user cache on first use.")
 @click.option("--target", "target_dir", type=_DIR, help="Target checkpoint (PyTorch reference backend).")
 @click.option("--drafter", "drafter_dir", type=_DIR, help="Drafter checkpoint (with --target).")
 @click.option("--prompt", help="Prompt text (needs tokenizer.json in the engine or target directory).")
-@click.option("--prompt-ids", help="Prompt token ids, comma-separated: 1,2,3.")
+@click.option("--prompt-ids", callback=_parse_ids, help="Prompt token ids, comma-separated: 1,2,3.")
 @click.option("--max-new-tokens", default=64, show_default=True, type=click.IntRange(min=1))
 @click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(min=0.0))
 @click.option("--seed", default=0, show_default=True, type=int)
@@ -40,10 +48,9 @@ def generate(engine_dir, target_dir, drafter_dir, prompt, prompt_ids, max_new_to
     """Generate with DSpark speculative decoding (lossless: same distribution as the target)."""
     from pathlib import Path
 
+    from dspark.export.artifacts import read_tokenizer
     from dspark.runtime.api import Runtime, RuntimeOptions
-    from dspark.runtime.kv_cache import CapacityError
     from dspark.runtime.prefix_scheduler import SchedulerConfig
-    from dspark.runtime.reference_decoder import RequestError
 
     if engine_dir is not None and target_dir is not None:
         raise click.UsageError("give either --engine DIR or --target DIR --drafter DIR, not both")
@@ -57,28 +64,19 @@ def generate(engine_dir, target_dir, drafter_dir, prompt, prompt_ids, max_new_to
         engine_dir = str(demo_engine_dir())
     tokenizer = None
     if prompt is not None:
-        path = Path(engine_dir or target_dir) / "tokenizer.json"
-        if not path.is_file():
-            raise click.UsageError(f"--prompt needs {path}; pass --prompt-ids instead")
-        from tokenizers import Tokenizer
-
-        tokenizer = Tokenizer.from_file(str(path))
-        ids = tokenizer.encode(prompt).ids
-    else:
-        ids = _parse_ids(prompt_ids)
+        tokenizer = read_tokenizer(Path(engine_dir or target_dir) / "tokenizer.json",
+                                   "--prompt needs it; pass --prompt-ids instead")
+        prompt_ids = tokenizer.encode(prompt).ids
     options = RuntimeOptions(
         scheduler=SchedulerConfig(scheduler, fixed_length=gamma, threshold=threshold), kv_mode=kv_mode,
-        max_requests=1, max_seq_len=len(ids) + max_new_tokens + 64,
+        max_requests=1, max_seq_len=len(prompt_ids) + max_new_tokens + 64,
     )
-    runtime = (Runtime.load(engine_dir, options) if engine_dir
-               else Runtime.from_checkpoints(target_dir, drafter_dir, options))
-    begin = time.perf_counter()
-    try:
-        (result,) = runtime.generate(ids, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
+    with (Runtime.load(engine_dir, options) if engine_dir
+          else Runtime.from_checkpoints(target_dir, drafter_dir, options)) as runtime:
+        begin = time.perf_counter()
+        (result,) = runtime.generate(prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
                                      stop=runtime.info.eos_token_ids)
-    except (RequestError, CapacityError) as exc:
-        raise click.UsageError(str(exc)) from exc
-    seconds = time.perf_counter() - begin
+        seconds = time.perf_counter() - begin
     if as_json:
         click.echo(json.dumps({
             "output_ids": result.tokens, "rounds": result.rounds,
