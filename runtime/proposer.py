@@ -15,7 +15,7 @@ import torch
 
 from dspark.models import DSparkDrafter
 
-from .sampling import sample_rows, sample_token
+from .sampling import sample_rows
 
 
 @dataclass
@@ -27,35 +27,12 @@ class DraftBlock:
     confidence_logits: torch.Tensor | None  # [B, γ] pre-sigmoid survival logits, or None
 
 
-@torch.no_grad()
-def propose_block(
-    drafter: DSparkDrafter,
-    hidden: torch.Tensor,  # [B, γ, H] backbone output
-    anchor: torch.Tensor,  # [B] last committed token
-    temperature: float,
-    generator: torch.Generator | None = None,
-) -> DraftBlock:
-    base = drafter.base_logits(hidden)
-    state = drafter.initial_head_state(hidden[:, 0])
-    prev = anchor
-    tokens, logits, confidences = [], [], []
-    for k in range(hidden.shape[1]):
-        step_logits, confidence, state = drafter.head_step(
-            hidden=hidden[:, k], base_logits=base[:, k], prev_ids=prev, state=state
-        )
-        prev = sample_token(step_logits, temperature, generator)
-        tokens.append(prev)
-        logits.append(step_logits)
-        confidences.append(confidence)
-    return DraftBlock(
-        tokens=torch.stack(tokens, dim=1),
-        logits=torch.stack(logits, dim=1),
-        confidence_logits=None if drafter.confidence_head is None else torch.stack(confidences, dim=1),
-    )
+# feeds -> outputs of one sequential-head slot, named as `dspark.export.contract.head_step_spec`
+HeadStep = Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
 
 
 def propose_rows(
-    run_head: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None,
+    run_head: HeadStep | None,
     *,
     hidden: torch.Tensor,  # [R, γ, H] backbone output
     base_logits: torch.Tensor,  # [R, γ, V]
@@ -65,10 +42,10 @@ def propose_rows(
     temperatures: list[float],  # per request
     generators: list[torch.Generator | None],  # per request
 ) -> DraftBlock:
-    """`propose_block` for a batch of requests through the `drafter_head_step` graph (feeds and
-    outputs as in `dspark.export.contract.head_step_spec`); `run_head=None` is a DFlash drafter
-    drafting straight from the base logits. Each request samples with its own temperature and
-    random stream, in the reference decoder's order."""
+    """Walk the block's slots through the sequential head, one call per slot for all requests:
+    `run_head` is the `drafter_head_step` graph (or `torch_head_step` of a PyTorch drafter);
+    `None` is a DFlash drafter drafting straight from the base logits. Each request samples with
+    its own temperature and random stream."""
     rows = hidden.shape[0]
     state = torch.zeros(rows, state_size, dtype=hidden.dtype)
     prev = anchors
@@ -92,4 +69,46 @@ def propose_rows(
         tokens=torch.stack(tokens, dim=1),
         logits=torch.stack(logits, dim=1),
         confidence_logits=None if confidences[0] is None else torch.stack(confidences, dim=1),
+    )
+
+
+def torch_head_step(drafter: DSparkDrafter) -> HeadStep:
+    """`drafter.head_step` behind the `drafter_head_step` graph's feeds and outputs."""
+
+    def run(feeds: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        logits, confidence, state = drafter.head_step(
+            hidden=feeds["hidden"], base_logits=feeds["base_logits"], prev_ids=feeds["prev_ids"],
+            state=feeds.get("state"),
+        )
+        out = {"logits": logits}
+        if confidence is not None:
+            out["confidence_logit"] = confidence
+        if state is not None:
+            out["next_state"] = state
+        return out
+
+    return run
+
+
+@torch.no_grad()
+def propose_block(
+    drafter: DSparkDrafter,
+    hidden: torch.Tensor,  # [B, γ, H] backbone output
+    anchor: torch.Tensor,  # [B] last committed token
+    temperature: float,
+    generator: torch.Generator | None = None,
+) -> DraftBlock:
+    """`propose_rows` with the PyTorch drafter's heads, one temperature and one random stream for
+    every row (the reference decoders' case)."""
+    initial_state = drafter.initial_head_state(hidden[:, 0])  # None, or zeros [B, r] (RNN head)
+    rows = hidden.shape[0]
+    return propose_rows(
+        torch_head_step(drafter),
+        hidden=hidden,
+        base_logits=drafter.base_logits(hidden),
+        anchors=anchor,
+        feed_base_logits=True,
+        state_size=0 if initial_state is None else initial_state.shape[1],
+        temperatures=[temperature] * rows,
+        generators=[generator] * rows,
     )

@@ -34,6 +34,7 @@ import torch
 from dspark.models import DSparkDrafter
 
 from .prefix_scheduler import Throughput, ThroughputRule, admit_by_throughput
+from .proposer import propose_block
 
 TreeMode = Literal["markov", "marginals"]
 TREE_MODES: tuple[str, ...] = ("markov", "marginals")
@@ -107,16 +108,8 @@ class _Expander:
         self.score_temperature, self.top_k = score_temperature, top_k
         self.base = drafter.base_logits(hidden)  # [γ, V]
         self.initial_state = drafter.initial_head_state(hidden[:1])
-        if mode == "marginals":
-            self.chain_logits = self._greedy_chain_logits(anchor)  # [γ, V]
-
-    def _greedy_chain_logits(self, anchor: int) -> torch.Tensor:
-        state, prev, rows = self.initial_state, torch.tensor([anchor]), []
-        for d in range(self.hidden.shape[0]):
-            logits, _, state = self._step(d, prev, state)
-            rows.append(logits[0])
-            prev = logits.argmax(dim=-1)
-        return torch.stack(rows)
+        if mode == "marginals":  # the drafter's greedy chain
+            self.chain_logits = propose_block(drafter, hidden[None], torch.tensor([anchor]), 0.0).logits[0]  # [γ, V]
 
     def _step(self, depth: int, prev: torch.Tensor, state: torch.Tensor | None):
         return self.drafter.head_step(
