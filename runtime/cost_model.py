@@ -8,9 +8,11 @@ the model is a 2-D linear fit
     t(R, B) = intercept + per_request·R + per_token·B   (seconds),
 
 fitted by least squares on timed steps. SPS(B) for a step with R requests is 1 / t(R, B).
-It is profiled at start-up (`profile_cost_model`) until engines store a cost table, and it
-can be refitted from the live step timings (`fit`), which is how the measured load of the
-machine enters the scheduler.
+An engine directory carries a measured table instead (`dspark.export.cost_table.CostTable`,
+which `Runtime.load` hands the scheduler); a plain export directory has none, so `Runtime`
+profiles this model at start-up (`profiling.profile_step_cost`). Either way
+`BatchEngine.refit_cost_model` can refit it from the live step timings (`StepCostModel.fit`),
+which is how the measured load of the machine enters the scheduler.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import torch
 
 class StepCost(Protocol):
     """What the scheduler needs: whole-step seconds at R requests and B verified tokens. The
-    fitted `StepCostModel` and an engine's measured table (`dspark.engines.CostTable`) both are."""
+    fitted `StepCostModel` and an engine's measured table (`dspark.export.cost_table.CostTable`) both are."""
 
     def seconds(self, requests: int, tokens: int) -> float: ...
 

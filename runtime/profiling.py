@@ -1,6 +1,7 @@
 """Start-up profiling of the step cost model: time real decode steps at several loads.
 
-Until engines store a cost table, `profile_step_cost` runs a throw-away `Engine` on the same
+For a plain export directory (an engine directory carries its measured SPS table, which
+`Runtime.load` uses instead), `profile_step_cost` runs a throw-away `BatchEngine` on the same
 backend with synthetic prompts, for every (requests R, draft length ℓ) in a small grid, and
 fits `StepCostModel` to the measured step times (prefill excluded) against (R, B = R·(1+ℓ)).
 The steps are real: drafter, sequential head, verification, commit — so the fit includes the
