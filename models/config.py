@@ -84,10 +84,6 @@ class DecoderConfig:
     attention_bias: bool = False
     qk_norm: bool = True
 
-    @property
-    def kv_groups(self) -> int:
-        return self.num_attention_heads // self.num_key_value_heads
-
 
 def _decoder_fields(data: dict[str, Any], source: str) -> dict[str, Any]:
     model_type = data.get("model_type", "qwen3")
