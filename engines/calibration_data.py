@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from dspark.export.artifacts import read_tokenizer
 from dspark.runtime.backend import Backend
 from dspark.runtime.batch_loop import BatchEngine
 from dspark.runtime.kv_cache import Capacity
@@ -72,9 +73,7 @@ def _tokenizer(data: Path, tokenizer: str | Path | None):
     if tokenizer is None or not Path(tokenizer).is_file():
         raise BuildError(f"{data} holds text: a tokenizer.json is needed (none at {tokenizer}); "
                          f"pass --tokenizer FILE or give token ids")
-    from tokenizers import Tokenizer
-
-    tok = Tokenizer.from_file(str(tokenizer))
+    tok = read_tokenizer(Path(tokenizer), "pass --tokenizer with a tokenizers-format tokenizer.json")
     return lambda text: tok.encode(text).ids
 
 

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import click
 
+from .errors import OneLineErrors
+
 _DIR = click.Path(exists=True, file_okay=False, path_type=Path)
 SCHEMA_VERSION = 1
 SWEEP_DISTINCT_PROMPTS = 64  # the sweep's request i uses prompt i % 64
@@ -52,7 +54,7 @@ def _concurrency(text: str | None) -> tuple[int, ...] | None:
     return values
 
 
-@click.command("bench")
+@click.command("bench", cls=OneLineErrors)
 @click.option("--out", "out", required=True, type=click.Path(file_okay=False, path_type=Path),
               help="Output directory: results.json, report.md, PNG plots, cache/.")
 @click.option("--quick", is_flag=True, help="Fewer tokens, sweep up to 256 requests (a few minutes on a laptop CPU).")

@@ -65,11 +65,10 @@ def pick_prompts(target_dir: Path, count: int, length: int) -> list[list[int]]:
     """Held-out stdlib windows for a folder with tokenizer.json; else the golden trace prompts."""
     tokenizer_file = target_dir / "tokenizer.json"
     if tokenizer_file.is_file():
-        from tokenizers import Tokenizer
-
+        from dspark.export.artifacts import read_tokenizer
         from dspark.tools import corpus, demo_eval
 
-        tokenizer = Tokenizer.from_file(str(tokenizer_file))
+        tokenizer = read_tokenizer(tokenizer_file, "re-train or re-copy the tokenizer")
         streams = [corpus.encode_corpus(tokenizer, [doc]) for doc in
                    corpus.read_documents(corpus.corpus_files("heldout"))]
         prompts = demo_eval.heldout_prompts(streams, per_module=max(1, -(-count // len(streams))),

@@ -17,8 +17,10 @@ from pathlib import Path
 
 import torch
 
+from dspark.export.artifacts import read_tokenizer
 from dspark.models import DSparkDrafter
 
+TOKENIZER_FIX = "re-export the pair, or give prompts as token ids"
 DEMO_DIR = Path(__file__).resolve().parents[2] / "models" / "demo"
 
 
@@ -103,11 +105,9 @@ def load_prompts(path: Path | None, tokenizer_path: Path | None, *, count: int, 
     if path is not None:
         return _file_prompts(path, tokenizer_path, vocab_size)[:count], str(path)
     if tokenizer_path is not None:
-        from tokenizers import Tokenizer
-
         from dspark.tools import corpus
 
-        tokenizer = Tokenizer.from_file(str(tokenizer_path))
+        tokenizer = read_tokenizer(tokenizer_path, TOKENIZER_FIX)
         streams = [e.ids for e in tokenizer.encode_batch(corpus.read_documents(corpus.corpus_files("heldout")))]
         per_module = -(-count // len(streams))
         # windows at 1/(n+1), ..., n/(n+1) of each module: code, not just its opening docstring
@@ -135,9 +135,7 @@ def _file_prompts(path: Path, tokenizer_path: Path | None, vocab_size: int) -> l
                 raise BenchSetupError(f"{path}:{n} is text but no tokenizer.json was found; give token ids "
                                       'as JSON lines {"ids": [...]}')
             if tokenizer is None:
-                from tokenizers import Tokenizer
-
-                tokenizer = Tokenizer.from_file(str(tokenizer_path))
+                tokenizer = read_tokenizer(tokenizer_path, TOKENIZER_FIX)
             ids = tokenizer.encode(record["text"]).ids
         else:
             raise BenchSetupError(f'{path}:{n}: expected {{"ids": [...]}} or {{"text": "..."}}')
