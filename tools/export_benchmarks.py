@@ -1,4 +1,4 @@
-"""ORT CPU measurements behind the export design choices; `python -m dspark.export.benchmarks`.
+"""ORT CPU measurements behind the export design choices; `python -m dspark.tools.export_benchmarks`.
 
 1. target: concat-cache graph vs static-cache graph (plus the runtime's in-place write of the new
    keys/values) for one decode step, B=64, T=1, past=256.
@@ -10,32 +10,19 @@ Medians of repeated runs, milliseconds.
 from __future__ import annotations
 
 import argparse
-import statistics
 import tempfile
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from dspark.export import contract as C
+from dspark.export import feeds as F
+from dspark.export.lower import lower
+from dspark.export.parity import session
+from dspark.export.pipeline import DEFAULT_OPSET, graph_jobs
 from dspark.models import DrafterConfig, DSparkDrafter, TargetConfig, TargetModel, load_pair
-
-from . import contract as C
-from . import feeds as F
-from .lower import lower
-from .parity import session
-from .pipeline import DEFAULT_OPSET, graph_jobs
-
-
-def median_ms(fn: Callable[[], object], repeat: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return 1000 * statistics.median(times)
+from dspark.runtime.cost_model import time_median
 
 
 def _export_all(target, drafter, placement: C.Placement, out: Path) -> dict[str, tuple]:
@@ -58,7 +45,7 @@ def bench_target(sessions, target, batch: int, past: int, repeat: int) -> dict[s
     concat_feeds = F.target_feeds(target.config, F.Case(batch, 1, past), torch.float32, g)
     sess, spec = sessions[C.TARGET]
     feed = _feed(spec, concat_feeds)
-    concat = median_ms(lambda: sess.run(None, feed), repeat)
+    concat = 1000 * time_median(lambda: sess.run(None, feed), repeats=repeat)
 
     spare = 1  # capacity = past + 1: the slot this step writes (more slots = more masked columns)
     ssess, sspec = sessions[C.TARGET_STATIC]
@@ -71,7 +58,7 @@ def bench_target(sessions, target, batch: int, past: int, repeat: int) -> dict[s
         for cache, new in zip(caches, outs[2:], strict=True):  # in-place write at slot `past`
             cache[rows, :, past] = new[:, :, 0]
 
-    return {"concat_ms": concat, "static_ms": median_ms(static_step, repeat)}
+    return {"concat_ms": concat, "static_ms": 1000 * time_median(static_step, repeats=repeat)}
 
 
 def bench_drafter(sessions, drafter, placement: C.Placement, batch: int, repeat: int) -> dict[str, float]:
@@ -79,7 +66,7 @@ def bench_drafter(sessions, drafter, placement: C.Placement, batch: int, repeat:
     g = torch.Generator().manual_seed(0)
     bsess, bspec = sessions[C.BACKBONE]
     bfeed = _feed(bspec, F.backbone_feeds(c, F.Case(batch, 4, 256), torch.float32, g))
-    result = {"backbone_ms": median_ms(lambda: bsess.run(None, bfeed), repeat)}
+    result = {"backbone_ms": 1000 * time_median(lambda: bsess.run(None, bfeed), repeats=repeat)}
     if not C.has_head_graphs(c):
         return result
     outs = dict(zip(bspec.output_names, bsess.run(None, bfeed), strict=True))
@@ -103,8 +90,8 @@ def bench_drafter(sessions, drafter, placement: C.Placement, batch: int, repeat:
     gfeed = {"block_hidden": hidden, "anchor_ids": anchor}
     if placement.lm_head_in_backbone:
         gfeed["base_logits"] = base
-    result["head_steps_ms"] = median_ms(steps, repeat)
-    result["head_greedy_ms"] = median_ms(lambda: gsess.run(None, gfeed), repeat)
+    result["head_steps_ms"] = 1000 * time_median(steps, repeats=repeat)
+    result["head_greedy_ms"] = 1000 * time_median(lambda: gsess.run(None, gfeed), repeats=repeat)
     return result
 
 
