@@ -158,7 +158,7 @@ def speculative_generate(
             temperature=temperature,
             generator=generator,
         )
-        a = verdict.accepted
+        a = verdict.accepted_drafts
         stats = RoundStats(
             start=start,
             anchor=int(anchor),

@@ -18,7 +18,7 @@ from .sampling import probabilities
 
 @dataclass(frozen=True)
 class ChainVerdict:
-    accepted: int  # number of accepted draft tokens a (acceptance length is a + 1)
+    accepted_drafts: int  # accepted draft tokens a (the acceptance length, bonus included, is a + 1)
     bonus: int  # token committed after the accepted drafts
 
 

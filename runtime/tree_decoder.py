@@ -117,8 +117,8 @@ def tree_generate(
             tree_nodes=tree.num_nodes,
             tree_depth=tree.max_depth,
             expected_acceptance=sum(tree.scores),
-            accepted_drafts=verdict.accepted,
-            acceptance_length=verdict.accepted + 1,
+            accepted_drafts=verdict.accepted_drafts,
+            acceptance_length=verdict.accepted_drafts + 1,
         )
         result.rounds.append(stats)
         if observer is not None:

@@ -32,8 +32,8 @@ class TreeVerdict:
     bonus: int
 
     @property
-    def accepted(self) -> int:
-        """Accepted draft nodes a (acceptance length a + 1)."""
+    def accepted_drafts(self) -> int:
+        """Accepted draft nodes a (the acceptance length, bonus included, is a + 1)."""
         return len(self.path) - 1
 
 
