@@ -32,7 +32,7 @@ from .manifest import FORMAT_VERSION, file_entries, model_section, write_manifes
 from .target_graph import StaticCacheTargetGraph, TargetGraph
 
 DEFAULT_OPSET = 17
-# Measured with `python -m dspark.export.benchmarks` (see export/README.md): one batched LM-head
+# Measured with `python -m dspark.tools.export_benchmarks` (see export/README.md): one batched LM-head
 # matmul in the backbone beats per-slot matmuls inside the head graphs.
 DEFAULT_PLACEMENT = C.Placement(lm_head_in_backbone=True)
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}

@@ -353,7 +353,7 @@ class BatchEngine:
                 draft_logits=block.logits[r, :k] if k else out["logits"][r, :0],
                 temperature=a.temperature, generator=a.generator,
             )
-            n = verdict.accepted
+            n = verdict.accepted_drafts
             accepted.append(n + 1)
             if self.scheduler.needs_drafts:  # rows the drafter has not seen yet (several if it skipped)
                 new_context = out["context_features"][r, : n + 1]

@@ -109,7 +109,7 @@ def first_token_counts(scheduler, sps: dict[int, float], n: int, seed: int) -> t
             target_logits=target_logits[: k + 1], draft_tokens=torch.tensor([x1, x2][:k]),
             draft_logits=draft_logits[:k], temperature=1.0, generator=g,
         )
-        counts[x1 if verdict.accepted >= 1 else verdict.bonus] += 1
+        counts[x1 if verdict.accepted_drafts >= 1 else verdict.bonus] += 1
     return counts
 
 
