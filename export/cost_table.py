@@ -25,16 +25,33 @@ from dataclasses import dataclass
 from itertools import accumulate
 from typing import Any
 
+import numpy as np
+
 MIN_SECONDS = 1e-9
+Tokens = int | np.ndarray  # one token count, or many (the scheduler prices all its candidates at once)
 
 
-def interpolate(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
-    """Piecewise-linear y(x) through (xs, ys) (xs increasing), extrapolating the end segments."""
-    if len(xs) == 1:
-        return ys[0]
-    i = min(max(bisect_right(xs, x) - 1, 0), len(xs) - 2)
-    x0, x1, y0, y1 = xs[i], xs[i + 1], ys[i], ys[i + 1]
+def interpolate(xs: Sequence[float], ys: Sequence[float], x: float | np.ndarray):
+    """Piecewise-linear y(x) through (xs, ys) (xs increasing), extrapolating the end segments.
+    x may be an array: elementwise, with the same arithmetic as for a scalar."""
+    last = len(xs) - 2
+    if not isinstance(x, np.ndarray):
+        if last < 0:
+            return ys[0]
+        i = min(max(bisect_right(xs, x) - 1, 0), last)
+        x0, x1, y0, y1 = xs[i], xs[i + 1], ys[i], ys[i + 1]
+    else:
+        xa, ya = np.asarray(xs, dtype=np.float64), np.asarray(ys, dtype=np.float64)
+        if last < 0:
+            return np.full(x.shape, ya[0])
+        i = np.minimum(np.maximum(np.searchsorted(xa, x, side="right") - 1, 0), last)
+        x0, x1, y0, y1 = xa[i], xa[i + 1], ya[i], ya[i + 1]
     return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+
+
+def at_least(value: float | np.ndarray, floor: float) -> float | np.ndarray:
+    """max(value, floor), elementwise for arrays (a plain float stays a plain float)."""
+    return np.maximum(value, floor) if isinstance(value, np.ndarray) else max(value, floor)
 
 
 @dataclass(frozen=True)
@@ -55,24 +72,37 @@ class CostTable:
                 raise ValueError(f"cost table: batch {r} has {len(row)} entries for {len(self.buckets)} buckets")
             if not any(v is not None for v in row):
                 raise ValueError(f"cost table: batch {r} has no measured bucket")
+        rows = []
+        for row in self.verify:
+            points = [(b, v) for b, v in zip(self.buckets, row, strict=True) if v is not None]
+            seconds = list(accumulate((v for _, v in points), max))  # more tokens never cost less
+            rows.append(([float(b) for b, _ in points], seconds))
+        object.__setattr__(self, "_rows", tuple(rows))  # lookup points, built once (the table is frozen)
 
-    def _row(self, i: int, tokens: float) -> float:
-        points = [(b, v) for b, v in zip(self.buckets, self.verify[i], strict=True) if v is not None]
-        seconds = list(accumulate((v for _, v in points), max))  # more tokens never cost less
-        return interpolate([b for b, _ in points], seconds, tokens)
+    def _row(self, i: int, tokens: Tokens):
+        xs, ys = self._rows[i]
+        return interpolate(xs, ys, tokens)
 
-    def verify_seconds(self, requests: int, tokens: int) -> float:
-        per_batch = [self._row(i, tokens) for i in range(len(self.batches))]
-        return max(interpolate(self.batches, per_batch, requests), MIN_SECONDS)
+    def verify_seconds(self, requests: int, tokens: Tokens):
+        """Piecewise linear in R between the two measured batch sizes around `requests` (only
+        those two rows are evaluated), and in B along each row."""
+        if len(self.batches) == 1:
+            per_requests = self._row(0, tokens)
+        else:
+            i = min(max(bisect_right(self.batches, requests) - 1, 0), len(self.batches) - 2)
+            (x0, x1), y0, y1 = self.batches[i : i + 2], self._row(i, tokens), self._row(i + 1, tokens)
+            per_requests = y0 + (y1 - y0) * (requests - x0) / (x1 - x0)  # as `interpolate` computes it
+        return at_least(per_requests, MIN_SECONDS)
 
     def draft_seconds(self, requests: int) -> float:
         return max(interpolate(self.batches, self.draft, requests), 0.0)
 
-    def seconds(self, requests: int, tokens: int) -> float:
-        """Predicted seconds of one decode step (drafting + verification)."""
-        return max(self.draft_seconds(requests) + self.verify_seconds(requests, tokens), MIN_SECONDS)
+    def seconds(self, requests: int, tokens: Tokens):
+        """Predicted seconds of one decode step (drafting + verification); elementwise over an
+        array of token counts."""
+        return at_least(self.draft_seconds(requests) + self.verify_seconds(requests, tokens), MIN_SECONDS)
 
-    def sps(self, requests: int, tokens: int) -> float:
+    def sps(self, requests: int, tokens: Tokens):
         return 1.0 / self.seconds(requests, tokens)
 
     def to_dict(self) -> dict[str, Any]:

@@ -22,14 +22,17 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import numpy as np
 import torch
+
+from dspark.export.cost_table import at_least
 
 
 class StepCost(Protocol):
     """What the scheduler needs: whole-step seconds at R requests and B verified tokens. The
     fitted `StepCostModel` and an engine's measured table (`dspark.export.cost_table.CostTable`) both are."""
 
-    def seconds(self, requests: int, tokens: int) -> float: ...
+    def seconds(self, requests: int, tokens: int | np.ndarray) -> float | np.ndarray: ...
 
     def to_dict(self) -> dict[str, Any]: ...
 
@@ -40,8 +43,9 @@ class StepCostModel:
     per_request: float  # seconds per active request
     per_token: float  # seconds per verified token
 
-    def seconds(self, requests: int, tokens: int) -> float:
-        return max(self.intercept + self.per_request * requests + self.per_token * tokens, 1e-9)
+    def seconds(self, requests: int, tokens: int | np.ndarray):
+        """Elementwise over an array of token counts (the scheduler prices all candidates at once)."""
+        return at_least(self.intercept + self.per_request * requests + self.per_token * tokens, 1e-9)
 
     def to_dict(self) -> dict[str, float]:
         return {"intercept_ms": 1e3 * self.intercept, "per_request_ms": 1e3 * self.per_request,

@@ -20,12 +20,15 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 MODES = ("dspark", "fixed", "threshold", "off")
 
-StepSeconds = Callable[[int, int], float]  # (requests R, verified tokens B) -> seconds per step
-Throughput = Callable[[float, int], float]  # (expected accepts τ, verified tokens B) -> Θ tokens/s
+# (requests R, verified tokens B [n]) -> seconds per step [n], elementwise, as the cost models compute it
+StepSeconds = Callable[[int, np.ndarray], np.ndarray]
+# (expected accepts τ [n], verified tokens B [n]) -> Θ tokens/s [n], elementwise
+Throughput = Callable[[np.ndarray, np.ndarray], np.ndarray]
 
 
 class SchedulerConfigError(ValueError):
@@ -83,42 +86,63 @@ class ThroughputRule:
 
     def __init__(self, requests: int, throughput: Throughput) -> None:
         self.throughput, self.tokens, self.tau = throughput, requests, float(requests)
-        self.best = throughput(self.tau, requests) if requests else 0.0
+        self.best = self._theta(self.tau, requests) if requests else 0.0
+
+    def _theta(self, tau: float, tokens: int) -> float:
+        return float(self.throughput(np.array([tau]), np.array([tokens]))[0])
 
     def admit(self, a: float) -> bool:
-        theta = self.throughput(self.tau + a, self.tokens + 1)
+        theta = self._theta(self.tau + a, self.tokens + 1)
         if a <= 0.0 or theta <= self.best:
             return False
         self.best, self.tau, self.tokens = theta, self.tau + a, self.tokens + 1
         return True
 
 
-def admit_by_throughput(survivals: Sequence[Sequence[float]], throughput: Throughput) -> Decision:
-    """Algorithm 1 over ragged rows: survivals[r][j] of request r's j-th candidate (chain slot or
-    best-first tree node), non-increasing along each row. Candidates with a > 0 are taken by
-    descending survival (ties: request, then position, so a request's candidates stay in prefix
-    order) and admitted while Θ rises; the first refusal stops the scan. -> lengths[r] = admitted
-    prefix of row r, τ, Θ, candidates considered."""
-    candidates = sorted(
-        ((a, r, j) for r, row in enumerate(survivals) for j, a in enumerate(row) if a > 0),
-        key=lambda c: (-c[0], c[1], c[2]),
-    )
-    lengths = [0] * len(survivals)
-    rule = ThroughputRule(len(survivals), throughput)
-    considered = 0
-    for a, r, j in candidates:
-        considered += 1
-        if not rule.admit(a):
-            break  # early stop: nothing after this candidate is looked at
-        lengths[r] = j + 1
-    return Decision(tuple(lengths), rule.tau, rule.best, considered)
+def admit_by_throughput(survivals: Sequence[Sequence[float]] | np.ndarray, throughput: Throughput) -> Decision:
+    """Algorithm 1 over rows of candidates: survivals[r][j] of request r's j-th candidate (chain slot
+    or best-first tree node), non-increasing along each row (ragged rows, or an [R, γ] array).
+    Candidates with a > 0 are taken by descending survival (ties: request, then position, so a
+    request's candidates stay in prefix order) and admitted while Θ rises; the first refusal stops
+    the scan. -> lengths[r] = admitted prefix of row r, τ, Θ, candidates considered.
+
+    Vectorised: one sort, one cumulative sum and one Θ evaluation over every candidate, then the
+    first drop. The cumulative sum adds in the same order as a one-by-one scan, so the decisions
+    are the scalar scan's, bit for bit (tests/test_scheduler_vectorised.py)."""
+    if isinstance(survivals, np.ndarray):
+        rows, cols = np.nonzero(survivals > 0)
+        values = survivals[rows, cols].astype(np.float64)
+        requests = survivals.shape[0]
+    else:
+        pairs = [(r, j, a) for r, row in enumerate(survivals) for j, a in enumerate(row) if a > 0]
+        rows = np.array([p[0] for p in pairs], dtype=np.int64)
+        cols = np.array([p[1] for p in pairs], dtype=np.int64)
+        values = np.array([p[2] for p in pairs], dtype=np.float64)
+        requests = len(survivals)
+    lengths = np.zeros(requests, dtype=np.int64)
+    best = float(throughput(np.array([float(requests)]), np.array([requests]))[0]) if requests else 0.0
+    if values.size == 0:
+        return Decision(tuple(lengths.tolist()), float(requests), best, 0)
+    order = np.lexsort((cols, rows, -values))  # descending survival, then request, then position
+    a = values[order]
+    tau = np.cumsum(np.concatenate(([float(requests)], a)))[1:]  # τ after admitting each candidate
+    tokens = requests + np.arange(1, a.size + 1)
+    theta = throughput(tau, tokens)
+    previous = np.concatenate(([best], theta[:-1]))
+    refused = np.flatnonzero(theta <= previous)
+    admitted = int(refused[0]) if refused.size else a.size
+    considered = admitted + 1 if refused.size else a.size
+    np.maximum.at(lengths, rows[order[:admitted]], cols[order[:admitted]] + 1)
+    if admitted:
+        return Decision(tuple(lengths.tolist()), float(tau[admitted - 1]), float(theta[admitted - 1]), considered)
+    return Decision(tuple(lengths.tolist()), float(requests), best, considered)
 
 
 def prefix_schedule(survival_probs: torch.Tensor, step_seconds: StepSeconds) -> Decision:
     """Algorithm 1 over chain slots. survival_probs [R, γ], non-increasing along γ.
     Θ = τ·SPS(B) with SPS(B) = 1 / step_seconds(R, B)."""
     requests = survival_probs.shape[0]
-    return admit_by_throughput(survival_probs.tolist(), lambda tau, tokens: tau / step_seconds(requests, tokens))
+    return admit_by_throughput(survival_probs.numpy(), lambda tau, tokens: tau / step_seconds(requests, tokens))
 
 
 def threshold_length(confidence_logits: torch.Tensor, threshold: float) -> int:

@@ -29,6 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
+import numpy as np
 import torch
 
 from dspark.models import DSparkDrafter
@@ -283,4 +284,4 @@ def node_budgets(
 
 def _throughput(sps: Callable[[int], float]) -> Throughput:
     """Θ(τ, B) = τ·SPS(B) from steps per second at B verified tokens."""
-    return lambda tau, tokens: tau * sps(tokens)
+    return lambda tau, tokens: tau * np.array([sps(int(b)) for b in tokens], dtype=np.float64)

@@ -5,6 +5,7 @@ wrong-acceptance-rule negative control."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from conftest import random_pair
@@ -27,7 +28,8 @@ from dspark.runtime.torch_backend import TorchBackend
 
 
 def table(sps: dict[int, float]):
-    return lambda requests, tokens: 1.0 / sps[tokens]
+    """Step seconds from a steps/s table, elementwise over token counts (as cost models are)."""
+    return lambda requests, tokens: 1.0 / np.vectorize(sps.__getitem__, otypes=[float])(tokens)
 
 
 def retrospective_schedule(survival_probs: torch.Tensor, step_seconds) -> tuple[int, ...]:
