@@ -6,6 +6,12 @@
     results = rt.generate([[1, 2, 3], [4, 5]], max_new_tokens=64, temperature=0.0, seed=0)
     for tokens in rt.stream([1, 2, 3], max_new_tokens=64): ...
 
+Text works wherever ids do, with the pair's tokenizer.json (the engine or export dir, or the target
+checkpoint): a text prompt (or a stop string) gives `TextResult`s, which carry `text` beside the ids,
+and `stream` of a text prompt yields text. `chat(messages)` renders tokenizer_config.json's chat template.
+
+    rt.generate("def parse_args(", max_new_tokens=64, stop=["\n\n", *rt.info.eos_token_ids])[0].text
+
 An engine directory brings its measured SPS table and STS temperatures; for an export directory or
 checkpoints the SPS cost model is profiled at load (a few dozen real decode steps) unless one is given.
 Bad artifacts raise ArtifactError, malformed requests RequestError, both with one clear line.
@@ -17,6 +23,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from dspark.export.artifacts import ArtifactError
 from dspark.export.engine_dir import is_engine_dir, load_engine_dir
 from dspark.export.manifest import read_manifest
 
@@ -32,8 +39,17 @@ from .prefix_scheduler import SchedulerConfig
 from .profiling import profile_step_cost
 from .requests import RequestError, as_list, token_ids
 from .stats import EngineStats, RequestResult
+from .text import StopWatch, TextCodec, TextStream, check_stop_strings, cut_text
 
 Prompt = Sequence[int]
+Stop = Sequence[int | str] | str  # token ids and/or stop strings
+
+
+@dataclass
+class TextResult(RequestResult):
+    """A result with its output as text too: special tokens left out, cut before a stop string."""
+
+    text: str = ""
 
 
 @dataclass(frozen=True)
@@ -50,7 +66,8 @@ class Runtime:
     """A model pair on an open backend. Close it (or use `with`) to release sessions or plans."""
 
     def __init__(self, backend: Backend, info: ModelInfo, options: RuntimeOptions | None = None,
-                 cost_model: StepCost | None = None) -> None:
+                 cost_model: StepCost | None = None, *, text_dirs: Sequence[str | Path] = ()) -> None:
+        """`text_dirs`: where to look for tokenizer.json (read on first use of text)."""
         options = options or RuntimeOptions()
         backend.open()
         self.backend, self.info, self.options = backend, info, options
@@ -60,6 +77,8 @@ class Runtime:
         self.cost_model = cost_model
         self.stats = EngineStats()
         self.monitor = Monitor()  # one sampling thread for the runtime's lifetime
+        self.text_dirs = tuple(Path(d) for d in text_dirs)
+        self._codec: TextCodec | None = None
 
     @classmethod
     def load(cls, path: str | Path, options: RuntimeOptions | None = None, *,
@@ -72,7 +91,7 @@ class Runtime:
         path = Path(path)
         if not is_engine_dir(path):
             backend = OrtBackend(path, intra_op_threads=threads)
-            return cls(backend, ModelInfo.from_manifest(backend.manifest), options, cost_model)
+            return cls(backend, ModelInfo.from_manifest(backend.manifest), options, cost_model, text_dirs=(path,))
         engine = load_engine_dir(path)
         options = options or RuntimeOptions()
         if cost_model is None:
@@ -81,7 +100,7 @@ class Runtime:
             scheduler = replace(options.scheduler, confidence_temperatures=engine.confidence_temperatures)
             options = replace(options, scheduler=scheduler)
         info = ModelInfo.from_manifest(read_manifest(engine.contract_dir, verify="none"))
-        return cls(open_backend(engine), info, options, cost_model)
+        return cls(open_backend(engine), info, options, cost_model, text_dirs=(path, Path(engine.contract_dir)))
 
     @classmethod
     def from_checkpoints(cls, target_dir: str | Path, drafter_dir: str | Path,
@@ -92,7 +111,8 @@ class Runtime:
         from .torch_backend import TorchBackend
 
         target, drafter = load_pair(target_dir, drafter_dir)
-        return cls(TorchBackend(target, drafter), ModelInfo.from_models(target, drafter), options, cost_model)
+        return cls(TorchBackend(target, drafter), ModelInfo.from_models(target, drafter), options, cost_model,
+                   text_dirs=(Path(target_dir),))
 
     def close(self) -> None:
         self.monitor.close()
@@ -110,37 +130,111 @@ class Runtime:
         return BatchEngine(self.backend, self.info, capacity=capacity, scheduler=o.scheduler,
                       cost_model=self.cost_model, monitor=self.monitor, kv_mode=o.kv_mode)
 
+    # -- text ---------------------------------------------------------------------------------
+    @property
+    def tokenizer(self) -> TextCodec:
+        """The pair's tokenizer (read on first use); ArtifactError naming tokenizer.json when it is
+        missing, unreadable or larger than the model's vocabulary."""
+        if self._codec is None:
+            codec = TextCodec.find(self.text_dirs)
+            if codec.vocab_size > self.info.vocab_size:
+                raise ArtifactError(codec.source, f"has {codec.vocab_size} tokens but the model's vocabulary has "
+                                                  f"{self.info.vocab_size}", "use the target's own tokenizer.json")
+            self._codec = codec
+        return self._codec
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(ids)
+
+    def chat_prompt(self, messages: object) -> list[int]:
+        """OpenAI-style messages -> prompt ids through the chat template; RequestError without one."""
+        return self.tokenizer.encode_chat(messages)
+
+    def prompt_ids(self, prompt: str | Prompt) -> list[int]:
+        """A text prompt encoded, or token ids as given."""
+        return self.encode(prompt) if isinstance(prompt, str) else prompt
+
+    def split_stop(self, stop: Stop) -> tuple[list[int], tuple[str, ...]]:
+        """`stop` as (token ids, stop strings); a lone string is one stop string."""
+        items = [stop] if isinstance(stop, str) else as_list(stop)
+        if not isinstance(items, Sequence):
+            raise RequestError(f"stop must be a sequence of token ids and/or strings, got {type(stop).__name__}")
+        strings = check_stop_strings([s for s in items if isinstance(s, str)])
+        if strings:
+            self.tokenizer  # noqa: B018 - stop strings need the tokenizer: fail now, before any work
+        return token_ids([s for s in items if not isinstance(s, str)], "stop"), strings
+
+    def text_result(self, result: RequestResult, stops: Sequence[str] = ()) -> TextResult:
+        """`result` with its text (cut before the first stop string)."""
+        fields = {name: getattr(result, name) for name in result.__dataclass_fields__}
+        return TextResult(**fields, text=cut_text(self.decode(result.tokens), stops))
+
+    # -- decoding -----------------------------------------------------------------------------
     def generate(
         self,
-        prompts: Prompt | Sequence[Prompt],
+        prompts: str | Prompt | Sequence[str | Prompt],
         *,
         max_new_tokens: int,
         temperature: float = 0.0,
         seed: int = 0,
-        stop: Sequence[int] = (),
+        stop: Stop = (),
     ) -> list[RequestResult]:
-        """Token-id prompts (one, or a list) -> one result per prompt, in order. Prompt i uses
-        seed + i. All prompts are validated before any is queued; a prompt that is not a sequence
-        of token ids raises RequestError."""
-        batch = _prompt_batch(prompts)
+        """Prompts (one, or a list; token ids or text) -> one result per prompt, in order. Prompt i uses
+        seed + i. All prompts are validated before any is queued; a prompt that is neither text nor a
+        sequence of token ids raises RequestError. `stop` holds token ids and/or strings; with text
+        in (a text prompt or a stop string) every result is a TextResult."""
+        with_text = _has_text(prompts, stop)
+        if with_text:
+            batch = _prompt_batch([self.prompt_ids(p) for p in _text_batch(prompts)])
+            stop_ids, strings = self.split_stop(stop)
+        else:
+            batch, stop_ids, strings = _prompt_batch(prompts), stop, ()
         engine = self.engine()
         ids = [engine.submit(p, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed + i,
-                             stop_token_ids=stop) for i, p in enumerate(batch)]
-        finished = engine.run_until_done()
+                             stop_token_ids=stop_ids) for i, p in enumerate(batch)]
+        if not with_text:
+            finished = engine.run_until_done()
+        else:
+            watches = {i: StopWatch(self.tokenizer, strings) for i in ids}
+            finished = {}
+            while not engine.idle:
+                engine.step()
+                finished.update(finish_at_stop_strings(engine, watches))
         self.stats = engine.stats
-        return [finished[i] for i in ids]
+        if not with_text:
+            return [finished[i] for i in ids]
+        return [self.text_result(finished[i], strings) for i in ids]
+
+    def chat(self, messages: object, *, max_new_tokens: int, temperature: float = 0.0, seed: int = 0,
+             stop: Stop = ()) -> TextResult:
+        """One conversation through the chat template -> its reply as a TextResult."""
+        stop_ids, strings = self.split_stop(stop)
+        (result,) = self.generate(self.chat_prompt(messages), max_new_tokens=max_new_tokens,
+                                  temperature=temperature, seed=seed, stop=stop_ids)
+        return self.text_result(result, strings)
 
     def stream(
         self,
-        prompt: Prompt,
+        prompt: str | Prompt,
         *,
         max_new_tokens: int,
         temperature: float = 0.0,
         seed: int = 0,
-        stop: Sequence[int] = (),
-    ) -> Iterator[list[int]]:
+        stop: Stop = (),
+    ) -> Iterator[list[int]] | Iterator[str]:
         """Yield the newly committed tokens of one request after every step (cut at max_new_tokens
-        and at a stop token exactly as `generate` cuts them)."""
+        and at a stop token exactly as `generate` cuts them); for a text prompt or with stop strings,
+        yield text pieces instead, which join to `generate(...)[0].text`."""
+        if not _has_text(prompt, stop):
+            return self._stream_ids(prompt, max_new_tokens, temperature, seed, stop)
+        stop_ids, strings = self.split_stop(stop)
+        return self._stream_text(self.prompt_ids(prompt), max_new_tokens, temperature, seed, stop_ids, strings)
+
+    def _stream_ids(self, prompt: Prompt, max_new_tokens: int, temperature: float, seed: int,
+                    stop: Stop) -> Iterator[list[int]]:
         engine = self.engine()
         request = engine.submit(prompt, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
                                 stop_token_ids=stop)
@@ -153,6 +247,64 @@ class Runtime:
                 sent = len(tokens)
         engine.take_result(request)
         self.stats = engine.stats
+
+    def _stream_text(self, prompt: Prompt, max_new_tokens: int, temperature: float, seed: int,
+                     stop_ids: Sequence[int], strings: tuple[str, ...]) -> Iterator[str]:
+        engine = self.engine()
+        request = engine.submit(prompt, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
+                                stop_token_ids=stop_ids)
+        watches = {request: StopWatch(self.tokenizer, strings)}
+        text, sent = TextStream(self.tokenizer, strings), 0
+        done: dict[int, RequestResult] = {}
+        while not engine.idle:
+            engine.step()
+            done.update(finish_at_stop_strings(engine, watches))
+            tokens = done[request].tokens if request in done else engine.tokens_so_far(request)
+            if len(tokens) > sent and (piece := text.push(tokens[sent:])):
+                yield piece
+            sent = max(sent, len(tokens))
+        if piece := text.finish(self.text_result(done[request], strings).text):
+            yield piece
+        self.stats = engine.stats
+
+
+def finish_at_stop_strings(engine: BatchEngine, watches: dict[int, StopWatch]) -> dict[int, RequestResult]:
+    """After a step: hand off every finished result, and end each watched request whose output now holds
+    a stop string, cut just after the token that completed it (finish reason "stop"). The one rule for
+    `Runtime.generate` and the server, so both end a request at the same token."""
+    done = engine.take_finished()
+    cuts = {}
+    for request_id, watch in list(watches.items()):
+        cut = watch.check(done[request_id].tokens if request_id in done else engine.tokens_so_far(request_id))
+        if cut is not None and request_id not in done and engine.cancel(request_id):
+            done[request_id] = engine.take_result(request_id)
+        if cut is not None:
+            cuts[request_id] = cut
+        if request_id in done:
+            del watches[request_id]
+    for request_id, cut in cuts.items():
+        result = done[request_id]
+        result.tokens, result.finish_reason = result.tokens[:cut], "stop"
+    return done
+
+
+def _has_text(prompts: object, stop: object) -> bool:
+    if isinstance(prompts, str) or isinstance(stop, str):
+        return True
+    text_prompt = isinstance(prompts, list | tuple) and any(isinstance(p, str) for p in prompts)
+    text_stop = isinstance(stop, list | tuple) and any(isinstance(s, str) for s in stop)
+    return text_prompt or text_stop
+
+
+def _text_batch(prompts: object) -> list[object]:
+    """One prompt (text or ids) or a list of them -> a list of prompts."""
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = as_list(prompts)
+    if isinstance(prompts, list | tuple) and prompts and all(not isinstance(p, str) and not isinstance(p, Sequence)
+                                                             for p in prompts):
+        return [prompts]  # one id prompt
+    return list(prompts) if isinstance(prompts, list | tuple) else [prompts]
 
 
 def _prompt_batch(prompts: object) -> list[list[int]]:
