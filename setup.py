@@ -25,12 +25,14 @@ setup(
         *(f"dspark.{name}" for name in SUBPACKAGES),
         *(f"dspark.plugins.{op}" for op in PLUGIN_OPS),
         "dspark.tools.bench",
+        "dspark.runtime.serving",
     ],
     package_dir={"dspark": ".", **{f"dspark.{name}": name for name in SUBPACKAGES}},
     # The bundled demo pair (models/demo/{target,dspark,dflash}) ships inside dspark.models.
     # The plugin sources ship so that an installed dspark can build them (plugins/build.sh).
     package_data={
         "dspark.models": ["demo/README.md", "demo/*/*.json", "demo/*/*.safetensors"],
+        "dspark.runtime.serving": ["static/*"],  # the dashboard page: plain HTML/JS/CSS, no build step
         "dspark.plugins": [
             *("*.md", "*.sh", "*.cpp", "CMakeLists.txt", "common/*"),
             *("*/*.md", "*/*.yaml", "*/*.cu", "*/*.h", "*/*.cpp"),

@@ -1,0 +1,290 @@
+"""The engine service: one `BatchEngine` driven by one background thread for the server's lifetime, so
+every client shares continuous batching; a thread-safe submit / stream / cancel API in front of it.
+
+Threads: only the loop thread touches the engine. `submit` validates in the caller's thread (so a bad
+request raises there, never reaching the loop) and drops the request into an inbox; the loop takes the
+inbox and pending cancellations between steps, runs one step, then hands each request its new tokens
+(`RequestHandle.stream()` blocks on a condition, `astream()` is woken once per step per event loop).
+
+The loop survives anything a request does: an exception inside a step fails the requests that were in
+that step (logged, `RequestFailed`), and queued requests go on. Memory stays bounded over a long run:
+finished results are handed off every step, handles are dropped once finished, step stats are a ring.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+
+from ..api import Runtime, Stop, finish_at_stop_strings
+from ..batch_loop import BatchEngine
+from ..requests import RequestError, stop_set, validate_request
+from ..stats import RequestResult, StepRecord
+from ..text import StopWatch
+from .handle import (
+    LoadSnapshot,
+    QueueFull,
+    RequestFailed,
+    RequestHandle,
+    RequestTimings,
+    ServiceClosed,
+    collect_wake,
+    wake_loops,
+)
+
+__all__ = ["EngineService", "LoadSnapshot", "QueueFull", "RequestFailed", "RequestHandle", "RequestTimings",
+           "ServiceClosed"]
+
+log = logging.getLogger("dspark.serving")
+SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed takes
+StepListener = Callable[[StepRecord, LoadSnapshot], None]
+FinishListener = Callable[[RequestResult, RequestTimings], None]
+
+
+class EngineService:
+    """One decode loop for every client of a Runtime. Close it (or use `with`) to stop the loop; the
+    Runtime stays open (its owner closes it)."""
+
+    def __init__(self, runtime: Runtime, *, max_queue: int = 1024, max_new_tokens: int | None = None,
+                 engine: BatchEngine | None = None, idle_wait: float = 0.5) -> None:
+        self.runtime = runtime
+        self.engine = engine or runtime.engine()
+        self.max_queue, self.max_new_tokens, self.idle_wait = max_queue, max_new_tokens, idle_wait
+        self._lock = threading.Lock()  # inbox, cancels, counters read by other threads
+        self._wake = threading.Event()
+        self._inbox: deque[RequestHandle] = deque()
+        self._cancels: deque[RequestHandle] = deque()
+        self._handles: dict[int, RequestHandle] = {}  # engine request id -> handle (loop thread)
+        self._watches: dict[int, StopWatch] = {}
+        self._step_listeners: list[StepListener] = []
+        self._finish_listeners: list[FinishListener] = []
+        self._listener_errors = 0
+        self._ids = itertools.count()
+        self._counts = dict.fromkeys(("submitted", "finished", "cancelled", "failed", "steps"), 0)
+        self._engine_queued = 0
+        self._snapshot = self._measure()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="dspark-engine-loop", daemon=True)
+        self._thread.start()
+
+    # -- any thread -------------------------------------------------------------------------------
+    def submit(self, prompt: str | list[int], *, max_new_tokens: int, temperature: float = 0.0, seed: int = 0,
+               stop: Stop = ()) -> RequestHandle:
+        """Validate and queue one request (token ids or text; `stop` token ids and/or strings). Raises
+        RequestError / CapacityError for a request the engine cannot serve, QueueFull past the queue limit,
+        ServiceClosed after close(). Same seed, same output as `Runtime.generate`."""
+        if self.max_new_tokens is not None and isinstance(max_new_tokens, int) and max_new_tokens > self.max_new_tokens:
+            raise RequestError(f"max_new_tokens {max_new_tokens} exceeds this server's limit {self.max_new_tokens}")
+        if isinstance(seed, bool) or not isinstance(seed, int) or not SEED_RANGE[0] <= seed < SEED_RANGE[1]:
+            raise RequestError(f"seed must be an integer in [-2**63, 2**64), got {seed!r:.40}")
+        engine, info = self.engine, self.runtime.info
+        stop_ids, strings = self.runtime.split_stop(stop)
+        ids = validate_request(self.runtime.prompt_ids(prompt), vocab_size=info.vocab_size,
+                               max_positions=info.max_positions, max_new_tokens=max_new_tokens, temperature=temperature)
+        stop_set(stop_ids, info.vocab_size)
+        engine.admission.check_servable(engine._need(len(ids), max_new_tokens))  # pure: reads the capacity only
+        with self._lock:
+            if self._stop.is_set():
+                raise ServiceClosed("the engine service is closed")
+            waiting = len(self._inbox) + self._engine_queued
+            if waiting >= self.max_queue:
+                raise QueueFull(waiting, self.max_queue)
+            handle = RequestHandle(self, next(self._ids), ids, max_new_tokens=max_new_tokens,
+                                   temperature=float(temperature), seed=seed, stop_ids=stop_ids, stop_strings=strings)
+            self._inbox.append(handle)
+            self._counts["submitted"] += 1
+        self._wake.set()
+        return handle
+
+    def room(self, prompt_len: int) -> int:
+        """The most new tokens a prompt of this length can ask for (slot length, KV budget, position limit
+        and the service's cap); < 1 when the prompt alone is too long."""
+        engine, capacity = self.engine, self.engine.admission.capacity
+        room = min(capacity.max_seq_len, capacity.max_tokens) - engine._need(prompt_len, 0)
+        room = min(room, self.runtime.info.max_positions - prompt_len)
+        return room if self.max_new_tokens is None else min(room, self.max_new_tokens)
+
+    def snapshot(self) -> LoadSnapshot:
+        """The load as of the last step (or idle moment)."""
+        return self._snapshot
+
+    def add_step_listener(self, fn: StepListener) -> None:
+        """fn(record, snapshot) on the loop thread after every step; keep it short, it delays the next step."""
+        self._step_listeners.append(fn)
+
+    def add_finish_listener(self, fn: FinishListener) -> None:
+        """fn(result, timings) on the loop thread when a request ends (finish reason "error" when it failed)."""
+        self._finish_listeners.append(fn)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop the loop; requests not finished end with ServiceClosed."""
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout)
+
+    def __enter__(self) -> EngineService:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _request_cancel(self, handle: RequestHandle) -> None:
+        with self._lock:
+            self._cancels.append(handle)
+        self._wake.set()
+
+    # -- the loop thread --------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._wake.clear()  # before taking the inbox: a submit after this sets it again
+                self._take_inbox()
+                record = None
+                if not self.engine.idle:
+                    record = self._step()
+                    self._counts["steps"] += record is not None
+                self._deliver()
+                self._snapshot = self._measure()
+                if record is not None:
+                    self._notify(self._step_listeners, record, self._snapshot)
+                if self.engine.idle and not self._inbox and not self._cancels:
+                    self._wake.wait(self.idle_wait)
+        except BaseException:  # a bug in the service itself: say so, then fail everyone rather than hang
+            log.exception("dspark engine loop stopped")
+            raise
+        finally:
+            self._fail_all(ServiceClosed("the engine service is closed"))
+
+    def _take_inbox(self) -> None:
+        with self._lock:
+            new, self._inbox = self._inbox, deque()
+            cancels, self._cancels = self._cancels, deque()
+        now = time.monotonic()
+        for handle in new:
+            if handle._cancel_requested:
+                self._end(handle, RequestResult(-1, handle.prompt_ids, [], finish_reason="cancelled"), now)
+                continue
+            try:
+                handle.engine_id = self.engine.submit(handle.prompt_ids, max_new_tokens=handle.max_new_tokens,
+                                                      temperature=handle.temperature, seed=handle.seed,
+                                                      stop_token_ids=handle.stop_ids)
+            except Exception as exc:  # validated in submit(); only a changed engine rule gets here
+                self._end(handle, RequestResult(-1, handle.prompt_ids, [], finish_reason="error"), now, exc)
+                continue
+            self._handles[handle.engine_id] = handle
+            if handle.stop_strings:
+                self._watches[handle.engine_id] = StopWatch(self.runtime.tokenizer, handle.stop_strings)
+        for handle in cancels:
+            if handle.engine_id is not None and handle.engine_id in self._handles:
+                self.engine.cancel(handle.engine_id)
+
+    def _step(self) -> StepRecord | None:
+        before = {a.result.request_id for a in self.engine.active}
+        try:
+            return self.engine.step()
+        except Exception as exc:
+            self._fail_step(exc, before)
+            return None
+
+    def _fail_step(self, exc: Exception, before: set[int]) -> None:
+        """End the requests a failed step involved with RequestFailed; queued ones stay queued. A failure
+        inside prefill (some admitted request is in no row) involves only this step's newcomers: the rows
+        already running were not touched yet. Any later failure involves every running request. If the
+        engine cannot even end them, a fresh engine takes over (everything in flight fails)."""
+        error = RequestFailed(f"the decode step failed: {type(exc).__name__}: {str(exc)[:200]}")
+        now, engine = time.monotonic(), self.engine
+        try:
+            active = [a.result.request_id for a in engine.active]
+            lost = [r for r in engine.admission.reserved if r not in set(active)]  # admitted, lost in prefill
+            involved = [r for r in active if r not in before] if lost else active
+            log.error("engine step failed (%s: %s); ending the %d requests in it", type(exc).__name__, exc,
+                      len(involved) + len(lost), exc_info=exc)
+            for request_id in involved:
+                engine.cancel(request_id)
+                self._fail(request_id, engine.take_result(request_id), error, now)
+            for request_id in lost:
+                engine.admission.release(request_id)
+                self._fail(request_id, None, error, now)
+        except Exception:
+            log.exception("engine state unrecoverable after a failed step; starting a fresh engine")
+            for request_id in list(self._handles):
+                self._fail(request_id, None, error, now)
+            self.engine = self.runtime.engine()
+
+    def _fail(self, request_id: int, result: RequestResult | None, error: BaseException, now: float) -> None:
+        handle = self._handles.pop(request_id, None)
+        self._watches.pop(request_id, None)
+        if handle is not None:
+            result = result or RequestResult(request_id, handle.prompt_ids, handle.tokens())
+            result.finish_reason = "error"
+            self._end(handle, result, now, error)
+
+    def _deliver(self) -> None:
+        """Hand finished results off and give every running request its new tokens; wake async readers
+        once per event loop."""
+        done = finish_at_stop_strings(self.engine, self._watches)
+        now = time.monotonic()
+        woken: dict[asyncio.AbstractEventLoop, list[asyncio.Event]] = {}
+        for a in self.engine.active:
+            handle = self._handles.get(a.result.request_id)
+            if handle is not None and handle._push(a.result.tokens[: handle.max_new_tokens], now):
+                collect_wake(woken, handle)
+        for request_id, result in done.items():
+            handle = self._handles.pop(request_id, None)
+            if handle is not None:
+                self._end(handle, result, now, woken=woken)
+        wake_loops(woken)
+        self._engine_queued = len(self.engine.queue)
+
+    def _end(self, handle: RequestHandle, result: RequestResult, now: float, error: BaseException | None = None,
+             woken: dict | None = None) -> None:
+        handle._finish(result, now, error)
+        with self._lock:
+            self._counts["finished"] += 1
+            self._counts["cancelled"] += result.finish_reason == "cancelled"
+            self._counts["failed"] += error is not None
+        if woken is None:
+            wake_loops(collect_wake({}, handle))
+        else:
+            collect_wake(woken, handle)
+        self._notify(self._finish_listeners, result, handle.timings)
+
+    def _notify(self, listeners: list, *args: object) -> None:
+        for fn in listeners:
+            try:
+                fn(*args)
+            except Exception:
+                self._listener_errors += 1
+                if self._listener_errors in (1, 10, 100) or self._listener_errors % 1000 == 0:
+                    log.exception("serving listener %r raised (%d times so far)", fn, self._listener_errors)
+
+    def _measure(self) -> LoadSnapshot:
+        engine, c = self.engine, self._counts
+        capacity, rows = engine.admission.capacity, len(engine.active)
+        return LoadSnapshot(
+            time=time.monotonic(), queued=len(self._inbox) + len(engine.queue), running=rows,
+            slots_total=capacity.max_requests, kv_tokens_reserved=sum(engine.admission.reserved.values()),
+            kv_tokens_used=sum(engine.target_kv.lengths[:rows]), kv_tokens_capacity=capacity.max_tokens,
+            steps=c["steps"], submitted=c["submitted"], finished=c["finished"], cancelled=c["cancelled"],
+            failed=c["failed"], max_queue=self.max_queue,
+        )
+
+    def _fail_all(self, error: BaseException) -> None:
+        now = time.monotonic()
+        with self._lock:
+            pending, self._inbox = list(self._inbox), deque()
+        for handle in [*pending, *self._handles.values()]:
+            if not handle.done:
+                self._end(handle, RequestResult(-1, handle.prompt_ids, handle.tokens(), finish_reason="error"),
+                          now, error)
+        self._handles.clear()
+        self._watches.clear()
