@@ -1,4 +1,5 @@
-"""`dspark train tokenizer|target|drafter|evaluate`: reproduce the bundled demo pair.
+"""`dspark train tokenizer|target|drafter|evaluate`: reproduce the bundled demo pair;
+`dspark train standin`: inflate a target into a memory-bound cost stand-in.
 
     dspark train tokenizer --out build/demo/tokenizer
     dspark train target --tokenizer build/demo/tokenizer/tokenizer.json --out models/demo/target
@@ -6,6 +7,7 @@
     dspark train drafter --target models/demo/target --kind dflash --out models/demo/dflash
     dspark train evaluate --target models/demo/target --dspark models/demo/dspark \
         --dflash models/demo/dflash --out build/demo/eval
+    dspark train standin --params 100M       # -> <cache>/standin-100M, see dspark.models.inflate
 
 The defaults are the settings the bundled checkpoints were trained with (see
 models/demo/README.md). On a shared CPU, OMP_NUM_THREADS=1 avoids thread oversubscription.
@@ -23,6 +25,7 @@ from dspark.models import DrafterConfig, TargetModel
 from dspark.models.loss import DFLASH_WEIGHTS, DSPARK_WEIGHTS
 
 from . import corpus, demo_training
+from .errors import OneLineErrors
 
 _PATH = click.Path(path_type=Path)
 _EXISTING = click.Path(path_type=Path, exists=True)
@@ -215,3 +218,61 @@ def evaluate_command(
     (out / "eval.json").write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
     demo_eval.plot(results, out / "acceptance.png")
     click.echo(f"wrote {out / 'eval.json'} and {out / 'acceptance.png'}")
+
+
+@train.command("standin", cls=OneLineErrors)
+@click.option("--target", "target_dir", type=_PATH, default=None,
+              help="Target checkpoint folder to inflate. [default: the bundled demo target]")
+@click.option("--params", "params_text", default="100M", show_default=True,
+              help="Size to reach: 100M, 1.5B, 250k, a plain count, or a multiple of the target (4x).")
+@click.option("--out", type=_PATH, default=None, help="Folder to write. [default: <cache>/standin-<params>]")
+@click.option("--force", is_flag=True, help="Rewrite the stand-in even if an identical one is there.")
+@click.option("--progress/--no-progress", default=True)
+def standin_command(target_dir: Path | None, params_text: str, out: Path | None, force: bool, progress: bool) -> None:
+    """A COST STAND-IN: the target widened by function-preserving transforms to >= --params
+    parameters, so its drafter's acceptance stays while each step costs what that size costs."""
+    from tqdm import tqdm
+
+    from dspark.models import TargetConfig
+    from dspark.models.inflate import (
+        KV_PER_PARAM,
+        InflateError,
+        count_params,
+        format_params,
+        inflate_checkpoint,
+        is_current,
+        parse_params,
+        plan_inflation,
+        standin_label,
+    )
+
+    from .demo_engine import DEMO_TARGET, cache_root
+
+    demo = target_dir is None
+    target_dir = DEMO_TARGET if demo else target_dir
+    if not target_dir.is_dir():
+        raise click.BadParameter(f"{target_dir} is not a folder", param_hint="--target")
+    try:
+        config = TargetConfig.from_folder(target_dir)
+        params = parse_params(params_text, count_params(config))
+        plan_inflation(config, params)  # refuse a bad size before any output
+        if out is None:
+            name = format_params(params) if demo else f"{target_dir.resolve().name}-{format_params(params)}"
+            out = cache_root() / f"standin-{name}"
+        if not force and is_current(out, target_dir, params, KV_PER_PARAM):
+            click.echo(f"up to date: {out}")
+            click.echo(standin_label(out))
+            return
+        with tqdm(total=1 + config.num_hidden_layers, desc="dspark standin", unit="group",
+                  disable=not progress) as bar:
+            def step(what: str) -> None:
+                bar.set_postfix_str(what)
+                bar.update()
+
+            section = inflate_checkpoint(target_dir, out, params, progress=step)
+    except InflateError as exc:
+        raise click.ClickException(str(exc)) from exc
+    click.echo(f"stand-in: {section['source_params']:,} -> {section['params']:,} parameters -> {out}")
+    for transform in section["transforms"]:
+        click.echo(f"  {transform}")
+    click.echo(standin_label(out))
