@@ -316,25 +316,26 @@ def _write_shards(
 ) -> None:
     """Save tensor groups as safetensors shards of <= SHARD_BYTES (one `model.safetensors` when it
     all fits), with the Hugging Face index for several."""
-    shards: list[dict[str, torch.Tensor]] = [{}]
     written: list[Path] = []
-    size = 0
+    shard: dict[str, torch.Tensor] = {}
+    weight_map: dict[str, int] = {}
+    size = total = 0
 
     def flush() -> None:
         path = folder / f"shard-{len(written):05d}.tmp"
-        save_file({k: v.contiguous() for k, v in shards[-1].items()}, str(path), metadata={"format": "pt"})
+        save_file({k: v.contiguous() for k, v in shard.items()}, str(path), metadata={"format": "pt"})
+        path.chmod(0o644)  # safetensors writes 0600; a checkpoint is for anyone to read
         written.append(path)
 
-    weight_map: dict[str, int] = {}
     for group in groups:
         for name, t in group.items():
             nbytes = t.numel() * t.element_size()
-            if shards[-1] and size + nbytes > SHARD_BYTES:
+            if shard and size + nbytes > SHARD_BYTES:
                 flush()
-                shards[-1], size = {}, 0
-            shards[-1][name] = t
+                shard, size = {}, 0
+            shard[name] = t
             weight_map[name] = len(written)
-            size += nbytes
+            size, total = size + nbytes, total + nbytes
         progress()
     flush()
     if len(written) == 1:
@@ -343,7 +344,6 @@ def _write_shards(
     names = [f"model-{i + 1:05d}-of-{len(written):05d}.safetensors" for i in range(len(written))]
     for path, name in zip(written, names, strict=True):
         path.rename(folder / name)
-    total = sum((folder / n).stat().st_size for n in names)
     index = {"metadata": {"total_size": total}, "weight_map": {k: names[v] for k, v in sorted(weight_map.items())}}
     (folder / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
 

@@ -151,6 +151,35 @@ def test_huggingface_loads_the_standin_and_it_is_labelled(golden_standin):
     assert standin_label(_golden_target()) is None
 
 
+@pytest.mark.parametrize("kind", ["llama-bias", "qwen3-tied"])
+@torch.no_grad()
+def test_attention_biases_llama_and_tied_heads(tmp_path, kind):
+    """Biases are copied with their heads (o_proj's stays), Llama has no q/k norms, a tied LM head
+    stays tied."""
+    transformers = pytest.importorskip("transformers")
+    small = dict(vocab_size=96, hidden_size=48, intermediate_size=80, num_hidden_layers=3, num_attention_heads=6,
+                 num_key_value_heads=2, head_dim=8, max_position_embeddings=256)
+    torch.manual_seed(0)
+    if kind == "llama-bias":
+        hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**small, attention_bias=True))
+    else:
+        hf = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**small, tie_word_embeddings=True))
+    for p in hf.parameters():
+        p.normal_(0.0, 0.3) if p.dim() > 1 else p.normal_(1.0, 0.1)
+    hf.save_pretrained(tmp_path / "source")
+    inflate_checkpoint(tmp_path / "source", tmp_path / "standin", 3_000_000)
+    config = TargetConfig.from_folder(tmp_path / "standin")
+    assert config.num_key_value_heads > 2 and config.intermediate_size > 80
+    layers = (-1, 0, 1)
+    ids, positions = torch.arange(30)[None] % 96, torch.arange(30)[None]
+    original = TargetModel.from_pretrained(tmp_path / "source", layers)(ids, positions)
+    inflated_model = TargetModel.from_pretrained(tmp_path / "standin", layers)
+    inflated = inflated_model(ids, positions)
+    assert sum(p.numel() for p in inflated_model.parameters()) == read_standin(tmp_path / "standin")["params"]
+    assert (inflated.logits - original.logits).abs().max() <= TOL
+    assert (inflated.context_features - original.context_features).abs().max() <= TOL
+
+
 @torch.no_grad()
 def test_sharded_output_loads_the_same(tmp_path, monkeypatch):
     monkeypatch.setattr(inflate_module, "SHARD_BYTES", 200_000)
