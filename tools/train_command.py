@@ -40,7 +40,7 @@ def _training_stream(tokenizer_file: Path, limit_files: int | None) -> torch.Ten
 
 @click.group("train")
 def train() -> None:
-    """Train the demo tokenizer, target and drafters on Python's standard library."""
+    """Train the demo tokenizer, target and drafters on Python's standard library; make a cost stand-in."""
 
 
 @train.command("tokenizer")
