@@ -28,6 +28,16 @@ position visible to this token), then the new tokens (causal or tree). No buffer
 the graph: attention scores are computed against the cache and the new keys separately and share
 one softmax.
 
+Target graph (`target_fused.onnx`, ONNX Runtime fused ops, built by `fused_target.py`): the same
+logits and context features from com.microsoft GroupQueryAttention (rotary inside) and
+(Skip)SimplifiedLayerNormalization. No position_ids and no mask: per row b with `past_b` committed
+positions, `seqlens_k[b]` (int32) = past_b + tokens - 1 and `total_sequence_length` (int32 scalar) =
+max_b(past_b) + tokens; new token t of row b sits at position past_b + t and sees slots 0 .. past_b + t
+(causal). `past_key_values.{i}.*` and `present.{i}.*` are one buffer [batch, kv_heads, capacity,
+head_dim] per layer and kind that the runtime binds as both (IO binding): the graph writes the new
+keys/values in place at slots past_b .. past_b + tokens - 1. Rows with fewer real tokens are right-padded.
+Flattened trees and hidden (padding) columns are not expressible: use `target.onnx` for those.
+
 Drafter backbone (`drafter_backbone.onnx`): the new context features and their positions, the
 cached projected context keys/values per draft layer, the block (anchor + mask ids) and its
 positions, and a bool mask [batch, 1, block, context_total + block] (all True = DeepSpec decoding;
@@ -49,6 +59,7 @@ from dspark.models import DrafterConfig, TargetConfig
 
 TARGET = "target"
 TARGET_STATIC = "target_static"
+TARGET_FUSED = "target_fused"
 BACKBONE = "drafter_backbone"
 HEAD_STEP = "drafter_head_step"
 HEAD_GREEDY = "drafter_head_greedy"
@@ -59,7 +70,7 @@ DTYPES = ("float32", "float16", "bfloat16")
 @dataclass(frozen=True)
 class TensorSpec:
     name: str
-    dtype: str  # "int64", "bool" or the float dtype of the export
+    dtype: str  # "int64", "int32", "bool" or the float dtype of the export
     dims: tuple[int | str, ...]  # ints are fixed, strings are symbolic
 
     def to_json(self) -> dict:
@@ -141,6 +152,25 @@ def target_static_spec(config: TargetConfig, feature_size: int, dtype: str) -> G
             TensorSpec("logits", dtype, ("batch", "tokens", config.vocab_size)),
             TensorSpec("context_features", dtype, ("batch", "tokens", feature_size)),
             *_kv("new", layers, kvh, "tokens", hd, dtype),
+        ),
+    )
+
+
+def target_fused_spec(config: TargetConfig, feature_size: int, dtype: str) -> GraphSpec:
+    """`target_fused.onnx`: past and present K/V are the same bound buffer (`capacity` slots)."""
+    kvh, hd, layers = config.num_key_value_heads, config.head_dim, config.num_hidden_layers
+    return GraphSpec(
+        TARGET_FUSED,
+        inputs=(
+            TensorSpec("input_ids", "int64", ("batch", "tokens")),
+            TensorSpec("seqlens_k", "int32", ("batch",)),
+            TensorSpec("total_sequence_length", "int32", ()),
+            *_kv("past_key_values", layers, kvh, "capacity", hd, dtype),
+        ),
+        outputs=(
+            TensorSpec("logits", dtype, ("batch", "tokens", config.vocab_size)),
+            TensorSpec("context_features", dtype, ("batch", "tokens", feature_size)),
+            *_kv("present", layers, kvh, "capacity", hd, dtype),
         ),
     )
 

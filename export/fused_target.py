@@ -1,0 +1,271 @@
+"""The ONNX Runtime fused-op flavour of the target graph (`target_fused.onnx`), built from weights.
+
+No tracing: the graph is written node by node from a `TargetModel`'s parameters with
+`onnx.helper`, in the shape ONNX Runtime's transformer kernels want:
+
+    embeddings = Gather(embed_tokens, input_ids)                          feature -1
+    layer 0 input norm: SimplifiedLayerNormalization(embeddings)
+    per layer i:
+        qkv   = MatMul(h, [Wq | Wk | Wv]) (+ packed bias)                   one packed projection
+        q, k  = per-head SimplifiedLayerNormalization (Qwen3 q_norm/k_norm; Llama passes qkv packed)
+        attn  = com.microsoft.GroupQueryAttention(q, k, v, past k/v, seqlens_k, total_sequence_length,
+                                                  cos_cache, sin_cache, query_seqlens; do_rotary=1)
+        h2, r = SkipSimplifiedLayerNormalization(x, MatMul(attn, Wo))      post-attention norm, r = x + attn
+        mlp   = MatMul(Sigmoid(g) * g * up, Wdown), g = MatMul(h2, Wgate), up = MatMul(h2, Wup)
+        h, x  = SkipSimplifiedLayerNormalization(r, mlp)                   next input norm (or the final
+                                                                           norm), x = layer i's raw output
+    logits = MatMul(final-normed x, lm_head^T)
+    context_features = Concat(raw outputs of the chosen layers, -1 = embeddings)
+
+Feeding (see `contract.target_fused_spec`): per row b with `past_b` committed positions and
+`tokens` new ones, `seqlens_k[b] = past_b + tokens - 1` and `total_sequence_length = max_b(past_b)
++ tokens`. Rotary positions come from seqlens_k (new token t of row b sits at `past_b + t`), so
+there is no position_ids input. The past/present K/V of each layer are meant to be ONE buffer
+`[batch, kv_heads, capacity, head_dim]` bound as both `past_key_values.{i}.*` and `present.{i}.*`:
+GroupQueryAttention then writes the new keys/values in place at slots `past_b .. past_b+tokens-1`
+and attends over slots `0 .. past_b+tokens-1` causally. Rolling back rejected tokens is just a
+smaller `past_b` next time (the stale slots get overwritten). A row with fewer real tokens than
+`tokens` is right-padded: its padding keys land after its real ones and are never read unless a
+later step counts them; their outputs are ignored.
+
+The graph computes `query_seqlens = min(seqlens_k + 1, tokens)` itself and passes it to
+GroupQueryAttention: that is the operator's own default, spelled out, and it lifts ONNX Runtime's
+"batch_size must be 1 when sequence_length > 1 and past context is given" restriction, so batched
+k-token verification over rows with different pasts works on the CPU provider.
+
+What GroupQueryAttention cannot express here (use the plain `target.onnx` for these):
+- arbitrary attention masks: attention is causal over slots `0 .. past_b + t` of row b. Flattened
+  draft trees (a node sees only its ancestors, position = past + depth) and left-padded rows with
+  hidden columns are not expressible with this graph's inputs. (ORT 1.32's operator has optional
+  `position_ids` and `attention_bias` inputs that could carry a tree; this flavour leaves them out.)
+- cache slots that are not a contiguous prefix: row b's visible keys are exactly its first
+  `past_b` slots, in position order.
+- head_dim not a multiple of 16 (the CPU kernel refuses it), positions >= the cos/sin cache rows
+  (`max_positions`, default `max_position_embeddings`), and RoPE other than the default.
+- bfloat16 on the CPU provider (no CPU kernel; CUDA has one).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import torch
+from onnx import TensorProto, helper, numpy_helper
+
+from dspark.models import TargetModel
+
+from . import contract as C
+from .lower import EXTERNAL_SUFFIX, TWO_GB, ExportError
+
+MS_DOMAIN = "com.microsoft"
+HEAD_DIM_MULTIPLE = 16  # GroupQueryAttention's CPU kernel: "head_size shall be a multiple of 16"
+_ELEM = {
+    "float32": TensorProto.FLOAT,
+    "float16": TensorProto.FLOAT16,
+    "bfloat16": TensorProto.BFLOAT16,
+    "int64": TensorProto.INT64,
+    "int32": TensorProto.INT32,
+}
+_TORCH = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def check_fusable(model: TargetModel, dtype: str) -> None:
+    """Raise ExportError when the fused flavour cannot represent this target."""
+    c = model.config
+    if dtype not in _TORCH:
+        raise ExportError(f"fused target: dtype {dtype!r} is not one of {tuple(_TORCH)}")
+    if c.head_dim % HEAD_DIM_MULTIPLE:
+        raise ExportError(
+            f"fused target: head_dim {c.head_dim} is not a multiple of {HEAD_DIM_MULTIPLE} "
+            "(ONNX Runtime's GroupQueryAttention refuses it); use the plain target graph"
+        )
+
+
+class _Builder:
+    """Nodes, initializers and unique names for one graph."""
+
+    def __init__(self, dtype: str) -> None:
+        self.dtype = dtype
+        self.nodes: list[onnx.NodeProto] = []
+        self.initializers: list[onnx.TensorProto] = []
+        self._names: set[str] = set()
+
+    def weight(self, name: str, tensor: torch.Tensor) -> str:
+        """A float initializer in the graph's dtype (bfloat16 goes through its raw bits)."""
+        t = tensor.detach().to(_TORCH[self.dtype]).contiguous()
+        if self.dtype == "bfloat16":
+            proto = helper.make_tensor(name, TensorProto.BFLOAT16, t.shape, t.view(torch.int16).numpy().tobytes(),
+                                       raw=True)
+        else:
+            proto = numpy_helper.from_array(t.numpy(), name)
+        return self._add(proto)
+
+    def const(self, name: str, values: list[int], dtype=np.int64) -> str:
+        return self._add(numpy_helper.from_array(np.asarray(values, dtype=dtype), name))
+
+    def _add(self, proto: onnx.TensorProto) -> str:
+        assert proto.name not in self._names, proto.name
+        self._names.add(proto.name)
+        self.initializers.append(proto)
+        return proto.name
+
+    def op(self, op_type: str, inputs: list[str], name: str, outputs: int | list[str] = 1,
+           domain: str = "", **attrs) -> list[str]:
+        """Add one node named `name`; its outputs are `name/out{k}` unless given ("" = unused)."""
+        if isinstance(outputs, int):
+            outputs = [f"{name}/out{k}" for k in range(outputs)]
+        self.nodes.append(helper.make_node(op_type, inputs, outputs, name=name, domain=domain, **attrs))
+        return outputs
+
+
+def _linear(b: _Builder, x: str, weights: list[torch.Tensor], biases: list[torch.Tensor | None], name: str) -> str:
+    """x @ concat(weights)^T (+ concat(biases)): several nn.Linear layers as one packed MatMul."""
+    w = b.weight(f"{name}.weight", torch.cat(weights, dim=0).T)
+    (y,) = b.op("MatMul", [x, w], f"{name}/MatMul")
+    if biases[0] is not None:  # `attention_bias` configs give every projection a bias
+        (y,) = b.op("Add", [y, b.weight(f"{name}.bias", torch.cat(biases))], f"{name}/Add")
+    return y
+
+
+def build_fused_target(model: TargetModel, dtype: str = "float32", *, opset: int = 17,
+                       max_positions: int | None = None) -> onnx.ModelProto:
+    """The fused target graph of `model` (I/O: `contract.target_fused_spec`), weights cast to `dtype`.
+
+    `max_positions` is the number of rows of the rotary cos/sin caches, i.e. one more than the
+    largest position the graph can be fed (default: the config's `max_position_embeddings`).
+    """
+    check_fusable(model, dtype)
+    c = model.config
+    spec = C.target_fused_spec(c, len(model.context_layer_ids) * c.hidden_size, dtype)
+    nh, kvh, hd, eps = c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps
+    b = _Builder(dtype)
+    norm_attrs = {"epsilon": eps, "axis": -1, "stash_type": 1}
+
+    # Rotary tables: the model's own RotaryEmbedding at positions 0..max-1, first half of each row.
+    positions = torch.arange(max_positions or c.max_position_embeddings)[None]
+    with torch.no_grad():
+        cos, sin = model.rotary(positions, torch.float32)  # [1, 1, P, hd]
+    cos_cache = b.weight("cos_cache", cos[0, 0, :, : hd // 2])
+    sin_cache = b.weight("sin_cache", sin[0, 0, :, : hd // 2])
+    if c.qk_norm:
+        head_shape = b.const("shape/heads", [0, -1, hd])
+        q_shape = b.const("shape/q", [0, -1, nh * hd])
+        k_shape = b.const("shape/k", [0, -1, kvh * hd])
+        qkv_split = b.const("split/qkv", [nh * hd, kvh * hd, kvh * hd])
+
+    # query_seqlens = min(seqlens_k + 1, tokens): GQA's default made explicit (allows batch > 1 with a past).
+    (tokens,) = b.op("Shape", ["input_ids"], "query_seqlens/Shape", start=1, end=2)
+    (tokens32,) = b.op("Cast", [tokens], "query_seqlens/Cast", to=TensorProto.INT32)
+    (totals,) = b.op("Add", ["seqlens_k", b.const("one_i32", [1], np.int32)], "query_seqlens/Add")
+    (query_seqlens,) = b.op("Min", [totals, tokens32], "query_seqlens/Min")
+
+    with torch.no_grad():
+        (x,) = b.op("Gather", [b.weight("embed_tokens.weight", model.embed_tokens.weight), "input_ids"],
+                    "embed_tokens/Gather")
+        features = {-1: x}
+        (h,) = b.op("SimplifiedLayerNormalization", [x, b.weight("layers.0.input_layernorm.weight",
+                    model.layers[0].input_layernorm.weight)], "layers.0/input_layernorm", **norm_attrs)
+        for i, layer in enumerate(model.layers):
+            p, a = f"layers.{i}", layer.self_attn
+            qkv = _linear(b, h, [a.q_proj.weight, a.k_proj.weight, a.v_proj.weight],
+                          [a.q_proj.bias, a.k_proj.bias, a.v_proj.bias], f"{p}/qkv_proj")
+            if c.qk_norm:
+                q, k, v = b.op("Split", [qkv, qkv_split], f"{p}/qkv_split", outputs=3, axis=-1)
+                q = _head_norm(b, q, head_shape, q_shape, a.q_norm.weight, f"{p}/q_norm", norm_attrs)
+                k = _head_norm(b, k, head_shape, k_shape, a.k_norm.weight, f"{p}/k_norm", norm_attrs)
+            else:
+                q, k, v = qkv, "", ""  # packed QKV straight into GQA
+            (attn, *_) = b.op(
+                "GroupQueryAttention",
+                [q, k, v, f"past_key_values.{i}.key", f"past_key_values.{i}.value", "seqlens_k",
+                 "total_sequence_length", cos_cache, sin_cache, "", "", "", "", "", "", "", query_seqlens],
+                f"{p}/GroupQueryAttention",
+                outputs=[f"{p}/attn", f"present.{i}.key", f"present.{i}.value"],
+                domain=MS_DOMAIN, num_heads=nh, kv_num_heads=kvh, scale=hd**-0.5, do_rotary=1,
+                rotary_interleaved=0, local_window_size=-1,
+            )
+            o = _linear(b, attn, [a.o_proj.weight], [a.o_proj.bias], f"{p}/o_proj")
+            h2, _, _, r = b.op("SkipSimplifiedLayerNormalization",
+                               [x, o, b.weight(f"{p}.post_attention_layernorm.weight",
+                                               layer.post_attention_layernorm.weight)],
+                               f"{p}/post_attention_layernorm", outputs=[f"{p}/h2", "", "", f"{p}/residual"],
+                               domain=MS_DOMAIN, epsilon=eps)
+            mlp = layer.mlp
+            (gate,) = b.op("MatMul", [h2, b.weight(f"{p}.mlp.gate_proj.weight", mlp.gate_proj.weight.T)],
+                           f"{p}/mlp/gate_proj")
+            (up,) = b.op("MatMul", [h2, b.weight(f"{p}.mlp.up_proj.weight", mlp.up_proj.weight.T)],
+                         f"{p}/mlp/up_proj")
+            (sig,) = b.op("Sigmoid", [gate], f"{p}/mlp/act/Sigmoid")
+            (silu,) = b.op("Mul", [gate, sig], f"{p}/mlp/act/Mul")
+            (prod,) = b.op("Mul", [silu, up], f"{p}/mlp/Mul")
+            (down,) = b.op("MatMul", [prod, b.weight(f"{p}.mlp.down_proj.weight", mlp.down_proj.weight.T)],
+                           f"{p}/mlp/down_proj")
+            last = i == c.num_hidden_layers - 1
+            norm, name = (model.norm, "norm") if last else (model.layers[i + 1].input_layernorm,
+                                                             f"layers.{i + 1}.input_layernorm")
+            h, _, _, x = b.op("SkipSimplifiedLayerNormalization",
+                              [r, down, b.weight(f"{name}.weight", norm.weight)], name.replace(".input", "/input"),
+                              outputs=[f"{name}/out", "", "", f"layers.{i}/output"], domain=MS_DOMAIN, epsilon=eps)
+            features[i] = x
+        b.op("MatMul", [h, b.weight("lm_head.weight", model.lm_head.weight.T)], "lm_head", outputs=["logits"])
+    _context_features(b, [features[i] for i in model.context_layer_ids], x)
+
+    graph = helper.make_graph(
+        b.nodes, C.TARGET_FUSED, [_value_info(t) for t in spec.inputs], [_value_info(t) for t in spec.outputs],
+        b.initializers,
+    )
+    return helper.make_model(
+        graph,
+        opset_imports=[helper.make_opsetid("", opset), helper.make_opsetid(MS_DOMAIN, 1)],
+        producer_name="dspark.export.fused_target",
+    )
+
+
+def _head_norm(b: _Builder, x: str, head_shape: str, back: str, weight: torch.Tensor, name: str,
+               attrs: dict) -> str:
+    """Per-head RMSNorm: [B, T, heads*hd] -> [B, T*heads, hd] -> norm -> [B, T, heads*hd]."""
+    (y,) = b.op("Reshape", [x, head_shape], f"{name}/Reshape_in")
+    (y,) = b.op("SimplifiedLayerNormalization", [y, b.weight(f"{name}.weight", weight)], name, **attrs)
+    (y,) = b.op("Reshape", [y, back], f"{name}/Reshape_out")
+    return y
+
+
+def _context_features(b: _Builder, parts: list[str], any_hidden: str) -> None:
+    if len(parts) > 1:
+        b.op("Concat", parts, "context_features/Concat", outputs=["context_features"], axis=-1)
+    elif parts:
+        b.op("Identity", parts, "context_features/Identity", outputs=["context_features"])
+    else:  # no context layers: [B, T, 0]
+        zero, axis = b.const("context_features/zero", [0]), b.const("context_features/axis", [2])
+        b.op("Slice", [any_hidden, zero, zero, axis], "context_features/Slice", outputs=["context_features"])
+
+
+def _value_info(t: C.TensorSpec) -> onnx.ValueInfoProto:
+    return helper.make_tensor_value_info(t.name, _ELEM[t.dtype], list(t.dims))
+
+
+def save_fused_target(model: onnx.ModelProto, out_dir: Path, *,
+                      external_data_threshold: int = TWO_GB) -> list[Path]:
+    """Write `target_fused.onnx` (weights to `target_fused.onnx.data` above the threshold); returns
+    the written files. The graph holds com.microsoft ops and the ORT-only SimplifiedLayerNormalization,
+    so onnx.checker cannot check it: loading it into ONNX Runtime is the check (`check_loads`)."""
+    path = Path(out_dir) / f"{C.TARGET_FUSED}.onnx"
+    weight_bytes = sum(len(t.raw_data) if t.HasField("raw_data") else numpy_helper.to_array(t).nbytes
+                       for t in model.graph.initializer)
+    if weight_bytes > external_data_threshold:
+        data = path.with_name(path.name + EXTERNAL_SUFFIX)
+        data.unlink(missing_ok=True)  # onnx appends to an existing data file
+        onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+                        location=data.name, size_threshold=1024)
+        return [path, data]
+    onnx.save_model(model, str(path))
+    return [path]
+
+
+def export_fused_target(model: TargetModel, out_dir: str | Path, dtype: str = "float32", *, opset: int = 17,
+                        external_data_threshold: int = TWO_GB, max_positions: int | None = None) -> list[Path]:
+    """Build and write the fused target graph of `model` into `out_dir`; returns the written files."""
+    graph = build_fused_target(model, dtype, opset=opset, max_positions=max_positions)
+    return save_fused_target(graph, Path(out_dir), external_data_threshold=external_data_threshold)
