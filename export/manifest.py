@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from dspark.models import DrafterConfig, TargetConfig
+from dspark.models.inflate import read_standin
 
 from .artifacts import ArtifactError, check_sha256, check_size, read_json_object, sha256
 from .contract import DTYPES, GraphSpec, TensorSpec
@@ -56,6 +57,8 @@ def model_section(target: TargetConfig, drafter: DrafterConfig, target_dir: Path
             "bos_token_id": target.bos_token_id,
             "context_layer_ids": list(drafter.target_layer_ids),
             "context_feature_size": drafter.context_feature_size,
+            # a cost stand-in (models/inflate.py) says so wherever its export is read
+            "standin": read_standin(target_dir),
         },
         "drafter": {
             "block_size": drafter.block_size,

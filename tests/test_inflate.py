@@ -245,3 +245,4 @@ def test_dspark_export_exports_the_standin(tmp_path, golden_standin):
                            check=False)
     assert (tmp_path / "export" / "target.onnx").is_file()
     assert manifest["target"]["num_kv_heads"] == TargetConfig.from_folder(golden_standin).num_key_value_heads
+    assert manifest["target"]["standin"]["params"] >= 0 and "transforms" in manifest["target"]["standin"]

@@ -47,6 +47,10 @@ def export(
         check=not no_check,
         show_progress=not quiet,
     )
+    if manifest["target"].get("standin"):
+        from dspark.models.inflate import standin_label
+
+        click.echo(standin_label(target_dir))
     for name, graph in manifest["graphs"].items():
         size = sum(f["bytes"] for f in graph["files"])
         line = f"{graph['file']:<26} {size / 2**20:9.2f} MiB  {graph['export_seconds']:6.2f} s"
