@@ -51,6 +51,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+import onnxruntime as ort
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
@@ -269,3 +270,78 @@ def export_fused_target(model: TargetModel, out_dir: str | Path, dtype: str = "f
     """Build and write the fused target graph of `model` into `out_dir`; returns the written files."""
     graph = build_fused_target(model, dtype, opset=opset, max_positions=max_positions)
     return save_fused_target(graph, Path(out_dir), external_data_threshold=external_data_threshold)
+
+
+class SharedKVRunner:
+    """Drives `target_fused.onnx` the way the runtime should: one K/V buffer per layer and kind,
+    made once and bound as both `past_key_values.{i}.*` and `present.{i}.*` (IO binding), so the
+    graph appends in place; ids, seqlens_k, total_sequence_length and the outputs are preallocated
+    per step width and written in place.
+
+    `step(ids, past_lengths)` runs `ids` [batch, tokens] on top of each row's first
+    `past_lengths[b]` cached slots and returns (logits [batch, tokens, V], context_features
+    [batch, tokens, F]): views that the next step of the same width overwrites. Rollback = pass a
+    smaller past length next time. `kv` holds the buffers (numpy views, [batch, kvh, capacity, hd]).
+    """
+
+    def __init__(self, session, spec: C.GraphSpec, batch: int, capacity: int) -> None:
+        self.session, self.batch, self.capacity = session, batch, capacity
+        types = {t.name: t for t in spec.inputs}
+        kv_spec = types["past_key_values.0.key"]
+        self._float = np.dtype({"float32": np.float32, "float16": np.float16}[kv_spec.dtype])
+        shape = (batch, kv_spec.dims[1], capacity, kv_spec.dims[3])
+        self.io = session.io_binding()
+        self.kv: list[np.ndarray] = []
+        self._keep: list = []
+        layers = sum(1 for t in spec.inputs if t.name.startswith("past_key_values.")) // 2
+        for past, present in zip(C.kv_names("past_key_values", layers), C.kv_names("present", layers), strict=True):
+            array = np.zeros(shape, self._float)
+            value = ort.OrtValue.ortvalue_from_numpy(array)
+            self.io.bind_ortvalue_input(past, value)
+            self.io.bind_ortvalue_output(present, value)
+            self.kv.append(array)
+            self._keep.append(value)
+        self._seqlens = np.zeros(batch, np.int32)
+        self._total = np.zeros((), np.int32)
+        self._bind_input("seqlens_k", self._seqlens)
+        self._bind_input("total_sequence_length", self._total)
+        outputs = {t.name: t for t in spec.outputs}
+        self._vocab, self._features = outputs["logits"].dims[2], outputs["context_features"].dims[2]
+        self._widths: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray, list]] = {}
+        self._bound_width = 0
+
+    def _bind_input(self, name: str, array: np.ndarray) -> None:
+        value = ort.OrtValue.ortvalue_from_numpy(array)
+        self.io.bind_ortvalue_input(name, value)
+        self._keep.append(value)
+
+    def _width(self, tokens: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        if tokens not in self._widths:
+            ids = np.zeros((self.batch, tokens), np.int64)
+            logits = np.zeros((self.batch, tokens, self._vocab), self._float)
+            features = np.zeros((self.batch, tokens, self._features), self._float)
+            values = [ort.OrtValue.ortvalue_from_numpy(a) for a in (ids, logits, features)]
+            self._widths[tokens] = (ids, logits, features, values)
+        ids, logits, features, values = self._widths[tokens]
+        if self._bound_width != tokens:
+            self.io.bind_ortvalue_input("input_ids", values[0])
+            self.io.bind_ortvalue_output("logits", values[1])
+            self.io.bind_ortvalue_output("context_features", values[2])
+            self._bound_width = tokens
+        return ids, logits, features
+
+    def step(self, input_ids, past_lengths) -> tuple[np.ndarray, np.ndarray]:
+        """input_ids [batch, tokens] int; past_lengths [batch] int (each row's committed slots)."""
+        input_ids = np.asarray(input_ids)
+        past = np.asarray(past_lengths, dtype=np.int64)
+        if input_ids.shape[0] != self.batch or past.shape != (self.batch,):
+            raise ValueError(f"expected {self.batch} rows, got ids {input_ids.shape} and past {past.shape}")
+        tokens = input_ids.shape[1]
+        if past.min() < 0 or past.max() + tokens > self.capacity:
+            raise ValueError(f"past lengths {past.tolist()} + {tokens} tokens exceed the capacity {self.capacity}")
+        ids, logits, features = self._width(tokens)
+        ids[...] = input_ids
+        self._seqlens[...] = past + tokens - 1
+        self._total[...] = past.max() + tokens
+        self.session.run_with_iobinding(self.io)
+        return logits, features

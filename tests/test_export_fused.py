@@ -1,0 +1,244 @@
+"""The fused ORT target flavour (`export/fused_target.py`) against the PyTorch TargetModel.
+
+Every case drives the graph the way the runtime should (`SharedKVRunner`: one K/V buffer per layer
+bound as past and present) and compares each row with a full, cache-free forward of that row's
+whole token sequence: prefill (batch 1 and 2 rows of different lengths), one-token decode and
+k-token verification (k = 2..8) on pasts of different lengths per row, with rollback of rejected
+tokens and a right-padded row. Tolerance atol = rtol = 1e-4 (float32).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import torch
+from conftest import golden_path, tiny_target_config
+from safetensors.torch import load_file
+
+from dspark.export import contract as C
+from dspark.export import feeds as F
+from dspark.export.fused_target import SharedKVRunner, build_fused_target, export_fused_target
+from dspark.export.lower import ExportError, lower
+from dspark.export.target_graph import TargetGraph
+from dspark.models import DrafterConfig, TargetModel
+
+DEMO = Path(__file__).resolve().parents[1] / "models" / "demo"
+ATOL = 1e-4
+GOLDEN_PROMPT = [67, 24, 319, 84, 473, 74, 431, 279, 434, 430, 368, 165, 406, 119, 397, 251, 84, 194, 157, 1, 37,
+                 245, 202, 432]
+
+
+def _session(model_bytes: bytes, threads: int = 1) -> ort.InferenceSession:
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.log_severity_level = 3
+    return ort.InferenceSession(model_bytes, options, providers=["CPUExecutionProvider"])
+
+
+class Fused:
+    def __init__(self, model: TargetModel) -> None:
+        self.model = model
+        self.spec = C.target_fused_spec(model.config, len(model.context_layer_ids) * model.config.hidden_size,
+                                        "float32")
+        self.session = _session(build_fused_target(model).SerializeToString())
+
+    def runner(self, batch: int, capacity: int) -> SharedKVRunner:
+        return SharedKVRunner(self.session, self.spec, batch, capacity)
+
+
+def _load(target_dir: Path, drafter_dir: Path) -> Fused:
+    ids = DrafterConfig.from_folder(drafter_dir).target_layer_ids
+    return Fused(TargetModel.from_pretrained(target_dir, ids))
+
+
+@pytest.fixture(scope="module", params=["golden", "demo"])
+def fused(request) -> Fused:
+    if request.param == "golden":
+        root = golden_path("qwen3-tiny-vanilla")
+        return _load(root / "target", root / "drafter")
+    return _load(DEMO / "target", DEMO / "dspark")
+
+
+def _reference(model: TargetModel, tokens: list[int]):
+    """Cache-free forward of one row: logits [T, V], features [T, F], present per layer (k, v) [kvh, T, hd]."""
+    with torch.no_grad():
+        out = model(torch.tensor([tokens]), torch.arange(len(tokens))[None])
+    return out.logits[0].numpy(), out.context_features[0].numpy(), [(k[0].numpy(), v[0].numpy())
+                                                                    for k, v in out.present]
+
+
+def _check_rows(fused: Fused, runner: SharedKVRunner, rows: list[list[int]], new: list[list[int]],
+                logits: np.ndarray, features: np.ndarray, worst: dict) -> None:
+    """Row b had `rows[b]` committed and ran `new[b]` (its real tokens; the rest is padding).
+    `worst` collects the largest |diff| per output; every element must pass atol = rtol = 1e-4 (the
+    golden README's tolerance: the demo's layer outputs reach |150|, where float32 rounding alone is
+    ~1e-5 and the plain traced graph differs from PyTorch by up to 6.5e-5)."""
+    for b, (past, ran) in enumerate(zip(rows, new, strict=True)):
+        ref_logits, ref_features, present = _reference(fused.model, past + ran)
+        n, total = len(ran), len(past) + len(ran)
+        pairs = [("logits", logits[b, :n], ref_logits[-n:]), ("features", features[b, :n], ref_features[-n:])]
+        pairs += [("kv", runner.kv[2 * i + j][b, :, :total], ref) for i, kv in enumerate(present)
+                  for j, ref in enumerate(kv)]
+        for name, got, ref in pairs:
+            worst[name] = max(worst[name], float(np.abs(got - ref).max()))
+            np.testing.assert_allclose(got, ref, atol=ATOL, rtol=ATOL, err_msg=f"{name} of row {b}")
+
+
+def test_prefill_batch_1_and_2(fused):
+    g = np.random.default_rng(0)
+    vocab = fused.model.config.vocab_size
+    worst = dict.fromkeys(("logits", "features", "kv"), 0.0)
+    one = fused.runner(1, 64)
+    prompt = g.integers(0, vocab, 24).tolist()
+    logits, features = one.step([prompt], [0])
+    _check_rows(fused, one, [[]], [prompt], logits, features, worst)
+
+    two = fused.runner(2, 64)
+    prompts = [g.integers(0, vocab, 24).tolist(), g.integers(0, vocab, 13).tolist()]
+    ids = np.zeros((2, 24), np.int64)
+    ids[0], ids[1, :13] = prompts[0], prompts[1]  # row 1 right-padded with token 0
+    logits, features = two.step(ids, [0, 0])
+    _check_rows(fused, two, [[], []], prompts, logits, features, worst)
+    print(f"\nprefill max |diff| {worst}")
+
+
+def test_decode_and_verify_with_rollback(fused):
+    """Rows at different pasts: one-token decode, then k = 2..8 verification steps that accept a
+    random prefix (rollback = shorter past next step); row 1 is right-padded by 2 tokens in each."""
+    g = np.random.default_rng(1)
+    vocab = fused.model.config.vocab_size
+    runner = fused.runner(2, 96)
+    rows = [g.integers(0, vocab, 21).tolist(), g.integers(0, vocab, 9).tolist()]
+    ids = np.zeros((2, 21), np.int64)
+    ids[0], ids[1, :9] = rows[0], rows[1]
+    runner.step(ids, [0, 0])
+    worst = dict.fromkeys(("logits", "features", "kv"), 0.0)
+
+    new = [[int(g.integers(vocab))] for _ in rows]
+    logits, features = runner.step(np.array(new), [len(r) for r in rows])
+    _check_rows(fused, runner, rows, new, logits, features, worst)
+    rows = [r + n for r, n in zip(rows, new, strict=True)]
+
+    for k in range(2, 9):
+        ids = g.integers(0, vocab, (2, k))
+        real = [ids[0].tolist(), ids[1, : max(1, k - 2)].tolist()]
+        logits, features = runner.step(ids, [len(r) for r in rows])
+        _check_rows(fused, runner, rows, real, logits, features, worst)
+        rows = [r + ran[: int(g.integers(0, len(ran) + 1))] for r, ran in zip(rows, real, strict=True)]
+    print(f"\ndecode + verify k=2..8 max |diff| {worst}, final pasts {[len(r) for r in rows]}")
+
+
+def test_golden_prompt_matches_deepspec_tensors():
+    root = golden_path("qwen3-tiny-vanilla")
+    fused = _load(root / "target", root / "drafter")
+    tensors = load_file(str(root / "tensors.safetensors"))
+    assert tensors["prompt_ids"][0].tolist() == GOLDEN_PROMPT
+    logits, features = fused.runner(1, 32).step([GOLDEN_PROMPT], [0])
+    logit_diff = float(np.abs(logits[0] - tensors["target_logits"][0].numpy()).max())
+    feature_diff = float(np.abs(features[0] - tensors["context_features"][0].numpy()).max())
+    print(f"\ngolden prompt: logits max |diff| {logit_diff:.2e}, context_features {feature_diff:.2e}")
+    assert logit_diff <= ATOL and feature_diff <= ATOL
+
+
+def _optimized_nodes(path: Path, tmp: Path) -> int:
+    import onnx
+
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    options.optimized_model_filepath = str(tmp / f"{path.stem}.opt.onnx")
+    options.log_severity_level = 3
+    ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    return len(onnx.load(options.optimized_model_filepath).graph.node)
+
+
+def test_node_count_after_ort_optimizer(tmp_path):
+    fused = _load(DEMO / "target", DEMO / "dspark")
+    model, features = fused.model, fused.spec.outputs[1].dims[2]
+    g = torch.Generator().manual_seed(0)
+    lower(TargetGraph(model), F.target_feeds(model.config, F.Case(2, 3, 5), torch.float32, g),
+          C.target_spec(model.config, features, "float32"), tmp_path, opset=17)
+    (fused_path,) = export_fused_target(model, tmp_path)
+    plain = _optimized_nodes(tmp_path / "target.onnx", tmp_path)
+    fused_nodes = _optimized_nodes(fused_path, tmp_path)
+    print(f"\nnodes after ORT_ENABLE_ALL (demo target, 4 layers): plain target.onnx {plain}, "
+          f"target_fused.onnx {fused_nodes}")
+    assert fused_nodes * 3 < plain
+
+
+def _random_target(seed: int, **overrides) -> TargetModel:
+    torch.manual_seed(seed)
+    model = TargetModel(tiny_target_config(head_dim=16, **overrides), (-1, 1)).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.2)
+    return model
+
+
+@pytest.mark.parametrize("overrides", [{}, {"model_type": "llama", "qk_norm": False, "attention_bias": True}],
+                         ids=["qwen3", "llama-bias-packed-qkv"])
+def test_random_architectures(overrides):
+    """Llama (no q/k norm: packed QKV straight into GQA) with projection biases; layer id -1."""
+    fused = Fused(_random_target(3, **overrides))
+    g = np.random.default_rng(2)
+    runner = fused.runner(2, 40)
+    rows = [g.integers(0, 32, 11).tolist(), g.integers(0, 32, 6).tolist()]
+    ids = np.zeros((2, 11), np.int64)
+    ids[0], ids[1, :6] = rows[0], rows[1]
+    worst = dict.fromkeys(("logits", "features", "kv"), 0.0)
+    logits, features = runner.step(ids, [0, 0])
+    _check_rows(fused, runner, [[], []], rows, logits, features, worst)
+    new = g.integers(0, 32, (2, 4))
+    logits, features = runner.step(new, [11, 6])
+    _check_rows(fused, runner, rows, new.tolist(), logits, features, worst)
+
+
+def test_unshared_feeding_concatenates():
+    """Without IO binding the graph also runs: past [B, kvh, P, hd] in, present [B, kvh, P+T, hd] out."""
+    fused = Fused(_random_target(4))
+    model, c = fused.model, fused.model.config
+    g = np.random.default_rng(3)
+    tokens = g.integers(0, 32, (2, 9))
+    feeds = {"input_ids": tokens[:, :6], "seqlens_k": np.array([5, 5], np.int32),
+             "total_sequence_length": np.array(6, np.int32)}
+    for name in C.kv_names("past_key_values", c.num_hidden_layers):
+        feeds[name] = np.zeros((2, c.num_key_value_heads, 0, c.head_dim), np.float32)
+    outs = fused.session.run(None, feeds)
+    feeds = {"input_ids": tokens[:, 6:], "seqlens_k": np.array([8, 8], np.int32),
+             "total_sequence_length": np.array(9, np.int32),
+             **dict(zip(C.kv_names("past_key_values", c.num_hidden_layers), outs[2:], strict=True))}
+    outs = fused.session.run(None, feeds)
+    assert outs[2].shape == (2, c.num_key_value_heads, 9, c.head_dim)
+    with torch.no_grad():
+        ref = model(torch.from_numpy(tokens), torch.arange(9).expand(2, 9))
+    assert np.abs(outs[0] - ref.logits[:, 6:].numpy()).max() <= ATOL
+
+
+def test_float16_runs_on_cpu():
+    model = _random_target(5)
+    spec = C.target_fused_spec(model.config, 2 * model.config.hidden_size, "float16")
+    runner = SharedKVRunner(_session(build_fused_target(model.half().float(), "float16").SerializeToString()),
+                            spec, 1, 16)
+    tokens = list(range(1, 11))
+    logits, _ = runner.step([tokens], [0])
+    ref, _, _ = _reference(model, tokens)
+    assert logits.dtype == np.float16
+    assert np.abs(logits[0].astype(np.float32) - ref).max() < 2e-2
+
+
+def test_external_data_and_refusals(tmp_path):
+    model = _random_target(6)
+    files = export_fused_target(model, tmp_path, external_data_threshold=1024)
+    assert [f.name for f in files] == ["target_fused.onnx", "target_fused.onnx.data"]
+    session = _session(str(files[0]))
+    spec = C.target_fused_spec(model.config, 2 * model.config.hidden_size, "float32")
+    logits, _ = SharedKVRunner(session, spec, 1, 8).step([[1, 2, 3]], [0])
+    assert np.abs(logits[0] - _reference(model, [1, 2, 3])[0]).max() <= ATOL
+    with pytest.raises(ValueError, match="exceed the capacity"):
+        SharedKVRunner(session, spec, 1, 8).step([[1, 2, 3]], [6])
+    with pytest.raises(ExportError, match="multiple of 16"):
+        build_fused_target(TargetModel(tiny_target_config(head_dim=8)))
+    with pytest.raises(ExportError, match="dtype"):
+        build_fused_target(model, "int8")
