@@ -124,11 +124,13 @@ class Runtime:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def engine(self) -> BatchEngine:
+    def engine(self, step_history: int | None = 1024) -> BatchEngine:
+        """A fresh BatchEngine on this runtime's backend and options; `step_history` steps of stats kept."""
         o = self.options
         capacity = Capacity(o.max_requests, o.max_tokens or o.max_requests * o.max_seq_len, o.max_seq_len)
         return BatchEngine(self.backend, self.info, capacity=capacity, scheduler=o.scheduler,
-                      cost_model=self.cost_model, monitor=self.monitor, kv_mode=o.kv_mode)
+                           cost_model=self.cost_model, monitor=self.monitor, kv_mode=o.kv_mode,
+                           step_history=step_history)
 
     # -- text ---------------------------------------------------------------------------------
     @property

@@ -20,6 +20,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import replace
 
 from ..api import Runtime, Stop, finish_at_stop_strings
 from ..batch_loop import BatchEngine
@@ -110,8 +111,11 @@ class EngineService:
         return room if self.max_new_tokens is None else min(room, self.max_new_tokens)
 
     def snapshot(self) -> LoadSnapshot:
-        """The load as of the last step (or idle moment)."""
-        return self._snapshot
+        """The engine's load as of the last step (or idle moment); the queue and the counters as of now."""
+        with self._lock:
+            c = self._counts
+            return replace(self._snapshot, queued=len(self._inbox) + self._engine_queued, submitted=c["submitted"],
+                           finished=c["finished"], cancelled=c["cancelled"], failed=c["failed"])
 
     def add_step_listener(self, fn: StepListener) -> None:
         """fn(record, snapshot) on the loop thread after every step; keep it short, it delays the next step."""
@@ -168,6 +172,7 @@ class EngineService:
         with self._lock:
             new, self._inbox = self._inbox, deque()
             cancels, self._cancels = self._cancels, deque()
+            self._engine_queued += len(new)  # still waiting, now for the engine: keeps the queue limit exact
         now = time.monotonic()
         for handle in new:
             if handle._cancel_requested:

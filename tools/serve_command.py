@@ -1,0 +1,69 @@
+"""`dspark serve`: the OpenAI-compatible HTTP server (uvicorn + starlette) over one engine service."""
+
+from __future__ import annotations
+
+import click
+
+from .errors import OneLineErrors
+
+_DIR = click.Path(exists=True, file_okay=False, path_type=str)
+_LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+@click.command("serve", cls=OneLineErrors)
+@click.option("--engine", "engine_dir", type=_DIR,
+              help="Engine or dspark-export directory. Default: the bundled demo pair (built on first use).")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind (loopback unless told).")
+@click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535))
+@click.option("--api-key", envvar="DSPARK_API_KEY", help="Require 'Authorization: Bearer KEY' on /v1 "
+                                                          "(or set DSPARK_API_KEY).")
+@click.option("--max-queue", default=1024, show_default=True, type=click.IntRange(min=1),
+              help="Requests waiting for a slot before new ones get 429.")
+@click.option("--max-tokens-per-request", default=512, show_default=True, type=click.IntRange(min=1),
+              help="Largest max_tokens a request may ask for.")
+@click.option("--max-requests", default=64, show_default=True, type=click.IntRange(min=1),
+              help="Requests decoded together (KV cache slots).")
+@click.option("--max-seq-len", default=1024, show_default=True, type=click.IntRange(min=8),
+              help="Positions per KV slot: prompt + new tokens + one draft block.")
+@click.option("--max-body-bytes", default=1 << 20, show_default=True, type=click.IntRange(min=1024),
+              help="Largest request body.")
+@click.option("--model-name", help="The model id clients send (default: the engine directory's name).")
+@click.option("--scheduler", default="dspark", show_default=True,
+              type=click.Choice(["dspark", "fixed", "threshold", "off"]))
+@click.option("--log-level", default="info", show_default=True,
+              type=click.Choice(["critical", "error", "warning", "info", "debug"]))
+def serve(engine_dir, host, port, api_key, max_queue, max_tokens_per_request, max_requests, max_seq_len,
+          max_body_bytes, model_name, scheduler, log_level) -> None:
+    """Serve /v1/completions and /v1/chat/completions (OpenAI protocol), /metrics and /dashboard."""
+    try:
+        import uvicorn
+    except ImportError:
+        raise click.ClickException("the server needs uvicorn and starlette: pip install 'dspark[serve]'") from None
+    from pathlib import Path
+
+    from dspark.runtime.api import Runtime, RuntimeOptions
+    from dspark.runtime.prefix_scheduler import SchedulerConfig
+    from dspark.runtime.serving.app import ServerConfig, create_app
+    from dspark.runtime.serving.service import EngineService
+
+    if engine_dir is None:
+        from dspark.tools.demo_engine import demo_engine_dir
+
+        engine_dir, model_name = str(demo_engine_dir()), model_name or "dspark-demo"
+    model_name = model_name or Path(engine_dir).resolve().name
+    if host not in _LOOPBACK and api_key is None:
+        click.echo(f"dspark serve: warning: listening on {host} without --api-key", err=True)
+    options = RuntimeOptions(scheduler=SchedulerConfig(scheduler), max_requests=max_requests, max_seq_len=max_seq_len)
+    with Runtime.load(engine_dir, options) as runtime:
+        service = EngineService(runtime, max_queue=max_queue, max_new_tokens=max_tokens_per_request)
+        try:
+            app = create_app(service, ServerConfig(model_name=model_name, api_key=api_key,
+                                                   max_body_bytes=max_body_bytes,
+                                                   max_tokens_per_request=max_tokens_per_request))
+            shown = f"[{host}]" if ":" in host else host
+            click.echo(f"dspark serve: model '{model_name}' from {engine_dir} on http://{shown}:{port} "
+                       "(/v1/completions, /v1/chat/completions, /metrics, /dashboard)", err=True)
+            uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,
+                        limit_concurrency=max_queue + max_requests + 64)
+        finally:
+            service.close()
