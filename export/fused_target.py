@@ -157,7 +157,9 @@ def build_fused_target(model: TargetModel, dtype: str = "float32", *, opset: int
         qkv_split = b.const("split/qkv", [nh * hd, kvh * hd, kvh * hd])
 
     # query_seqlens = min(seqlens_k + 1, tokens): GQA's default made explicit (allows batch > 1 with a past).
-    (tokens,) = b.op("Shape", ["input_ids"], "query_seqlens/Shape", start=1, end=2)
+    # Shape + Slice, not Shape(start, end): those attributes need opset 15 and the export may use 14.
+    (shape,) = b.op("Shape", ["input_ids"], "query_seqlens/Shape")
+    (tokens,) = b.op("Slice", [shape, b.const("one", [1]), b.const("two", [2])], "query_seqlens/Slice")
     (tokens32,) = b.op("Cast", [tokens], "query_seqlens/Cast", to=TensorProto.INT32)
     (totals,) = b.op("Add", ["seqlens_k", b.const("one_i32", [1], np.int32)], "query_seqlens/Add")
     (query_seqlens,) = b.op("Min", [totals, tokens32], "query_seqlens/Min")
@@ -288,7 +290,9 @@ class SharedKVRunner:
         self.session, self.batch, self.capacity = session, batch, capacity
         types = {t.name: t for t in spec.inputs}
         kv_spec = types["past_key_values.0.key"]
-        self._float = np.dtype({"float32": np.float32, "float16": np.float16}[kv_spec.dtype])
+        if kv_spec.dtype not in ("float32", "float16"):
+            raise TypeError(f"SharedKVRunner feeds float32 and float16 graphs from numpy, not {kv_spec.dtype}")
+        self._float = np.dtype(kv_spec.dtype)
         shape = (batch, kv_spec.dims[1], capacity, kv_spec.dims[3])
         self.io = session.io_binding()
         self.kv: list[np.ndarray] = []
@@ -345,3 +349,60 @@ class SharedKVRunner:
         self._total[...] = past.max() + tokens
         self.session.run_with_iobinding(self.io)
         return logits, features
+
+
+# Parity sweep (export.json): rows of different lengths through one shared buffer, each checked
+# against a cache-free PyTorch forward of the row's whole sequence.
+PARITY_STEPS = (  # (label, tokens per row this step; a row's real tokens; the rest is right padding)
+    ("prefill b1 t64", None),
+    ("prefill b4 t40 right-padded", (40, 23, 7, 31)),
+    ("decode b4", (1, 1, 1, 1)),
+    ("verify b4 t8 (rows 8, 5, 8, 2 real)", (8, 5, 8, 2)),
+)
+# atol = rtol per graph dtype, against a float32 PyTorch reference. float32: the golden fixtures'
+# tolerance. Half precision: the half graph's own rounding (golden target, float16: fused graph 0.061
+# from float32 PyTorch on logits ~ +-25, float16 PyTorch 0.070; the two halves differ by 0.13, which
+# is why the reference is float32); a broken graph (wrong rotary, layout or norm) is off by whole units.
+TOLERANCE = {"float32": 1e-4, "float16": 1e-1, "bfloat16": 2.5e-1}
+
+
+def fused_parity(session, spec: C.GraphSpec, model: TargetModel, dtype: str, seed: int = 0) -> dict:
+    """Max |diff| of logits, context_features and the written K/V slots against `model` (use a
+    float32 model: see TOLERANCE) over `PARITY_STEPS`, and whether every element passed
+    atol = rtol = TOLERANCE[dtype] (`dtype`: the graph's)."""
+    g = np.random.default_rng(seed)
+    vocab, tol = model.config.vocab_size, TOLERANCE[dtype]
+    worst = {"logits": 0.0, "context_features": 0.0, "present": 0.0}
+    passed = True
+
+    def compare(runner: SharedKVRunner, rows: list[list[int]], new: list[list[int]], logits, features) -> None:
+        nonlocal passed
+        for b, (past, ran) in enumerate(zip(rows, new, strict=True)):
+            tokens = past + ran
+            with torch.no_grad():
+                ref = model(torch.tensor([tokens]), torch.arange(len(tokens))[None])
+            n = len(ran)
+            pairs = [("logits", logits[b, :n], ref.logits[0, -n:]),
+                     ("context_features", features[b, :n], ref.context_features[0, -n:])]
+            pairs += [("present", runner.kv[2 * i + j][b, :, : len(tokens)], kv[j][0])
+                      for i, kv in enumerate(ref.present) for j in (0, 1)]
+            for name, got, want in pairs:
+                got, want = got.astype(np.float64), want.double().numpy()
+                if got.size:
+                    worst[name] = max(worst[name], float(np.abs(got - want).max()))
+                    passed = passed and bool(np.all(np.abs(got - want) <= tol + tol * np.abs(want)))
+
+    one = SharedKVRunner(session, spec, 1, 64)
+    prompt = g.integers(0, vocab, 64).tolist()
+    compare(one, [[]], [prompt], *one.step([prompt], [0]))
+    runner = SharedKVRunner(session, spec, 4, 64)
+    rows: list[list[int]] = [[] for _ in range(4)]
+    for _, lengths in PARITY_STEPS[1:]:
+        width = max(lengths)
+        ids = g.integers(0, vocab, (4, width))
+        new = [ids[b, :n].tolist() for b, n in enumerate(lengths)]
+        compare(runner, rows, new, *runner.step(ids, [len(r) for r in rows]))
+        rows = [r + n for r, n in zip(rows, new, strict=True)]
+    reference = str(model.embed_tokens.weight.dtype).removeprefix("torch.")
+    return {"cases": [label for label, _ in PARITY_STEPS], "reference": f"PyTorch {reference}",
+            "max_abs_diff": worst, "tolerance": tol, "passed": passed}

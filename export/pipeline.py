@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import copy
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ from . import contract as C
 from . import feeds as F
 from . import parity as P
 from .drafter_graphs import BackboneGraph, HeadGreedyGraph, HeadStepGraph
+from .fused_target import check_fusable, export_fused_target, fused_parity
 from .lower import MAX_OPSET, MIN_OPSET, TWO_GB, ExportError, lower
 from .manifest import FORMAT_VERSION, file_entries, model_section, write_manifest
 from .target_graph import StaticCacheTargetGraph, TargetGraph
@@ -98,11 +100,19 @@ def graph_jobs(
     return jobs
 
 
-def check_options(dtype: str, opset: int) -> None:
+# "plain": the traced graphs every runtime path needs (always exported). "fused": also
+# `target_fused.onnx` (ONNX Runtime contrib ops, see fused_target.py), kept only if it passes parity.
+FLAVOURS = ("plain", "fused")
+
+
+def check_options(dtype: str, opset: int, flavours: Sequence[str] = ("plain",)) -> None:
     if dtype not in TORCH_DTYPES:
         raise ExportError(f"--dtype {dtype!r} is not supported (choose one of {', '.join(C.DTYPES)})")
     if not MIN_OPSET <= opset <= MAX_OPSET:
         raise ExportError(f"--opset {opset} is out of range: supported opsets are {MIN_OPSET}..{MAX_OPSET}")
+    unknown = [f for f in flavours if f not in FLAVOURS]
+    if unknown or "plain" not in flavours:
+        raise ExportError(f"flavours {list(flavours)} must include 'plain' and be among {list(FLAVOURS)}")
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
@@ -118,13 +128,18 @@ def export_pair(
     check: bool = True,
     external_data_threshold: int = TWO_GB,
     show_progress: bool = False,
+    flavours: Sequence[str] = ("plain",),
 ) -> dict[str, Any]:
     """Export every graph of the pair into `out_dir` and write `export.json`; returns the manifest.
+
+    `flavours=("plain", "fused")` adds `target_fused.onnx` (ONNX Runtime fused ops), kept only if the
+    target fits it and, with `check`, it passes its parity sweep; otherwise it is left out and the
+    reason recorded under `dropped_graphs`. Each graph entry records its `flavour`.
 
     Raises CheckpointError (missing/corrupt files, unsupported architecture),
     IncompatibleDrafterError (drafter not made for this target) or ExportError (bad options).
     """
-    check_options(dtype, opset)
+    check_options(dtype, opset, flavours)
     target_dir, drafter_dir, out_dir = Path(target_dir), Path(drafter_dir), Path(out_dir)
     target_config = TargetConfig.from_folder(target_dir)
     drafter_config = DrafterConfig.from_folder(drafter_dir)
@@ -154,9 +169,14 @@ def export_pair(
             **job.spec.to_json(),
             "files": file_entries(files, out_dir),
             "export_seconds": round(time.perf_counter() - t0, 3),
+            "flavour": "plain",
         }
         if check:
             parity[job.spec.name] = _measure(job, out_dir / job.spec.file)
+    dropped: dict[str, Any] = {}
+    if "fused" in flavours:
+        _export_fused(target, drafter_config, dtype, opset, out_dir, external_data_threshold, check,
+                      graphs, parity, dropped)
     manifest = {
         "format_version": FORMAT_VERSION,
         "dtype": dtype,
@@ -164,7 +184,9 @@ def export_pair(
         "exporter": f"torch.onnx TorchScript tracer, torch {torch.__version__}",
         **model_section(target_config, drafter_config, target_dir),
         "lm_head_in_backbone": DEFAULT_PLACEMENT.lm_head_in_backbone,
+        "flavours": list(flavours),
         "graphs": graphs,
+        "dropped_graphs": dropped,
         "parity": parity if check else None,
         "export_seconds": round(time.perf_counter() - started, 3),
     }
@@ -184,3 +206,46 @@ def _measure(job: GraphJob, path: Path) -> dict[str, Any]:
             return {"runtime": f"onnxruntime {ort.__version__} CPU", **job.parity(sess, job.spec)}
     except (ort.capi.onnxruntime_pybind11_state.NotImplemented, TypeError) as exc:
         return {"skipped": f"onnxruntime CPU cannot run this graph: {str(exc).splitlines()[0][:200]}"}
+
+
+def _export_fused(
+    target: TargetModel,
+    drafter_config: DrafterConfig,
+    dtype: str,
+    opset: int,
+    out_dir: Path,
+    external_data_threshold: int,
+    check: bool,
+    graphs: dict[str, Any],
+    parity: dict[str, Any],
+    dropped: dict[str, Any],
+) -> None:
+    """Add `target_fused.onnx` to `graphs`/`parity`, or its reason to `dropped` (files removed)."""
+    spec = C.target_fused_spec(target.config, drafter_config.context_feature_size, dtype)
+    try:
+        check_fusable(target, dtype)
+    except ExportError as exc:
+        dropped[spec.name] = {"reason": str(exc)}
+        return
+    t0 = time.perf_counter()
+    files = export_fused_target(target, out_dir, dtype, opset=opset, external_data_threshold=external_data_threshold)
+    entry = {**spec.to_json(), "files": file_entries(files, out_dir),
+             "export_seconds": round(time.perf_counter() - t0, 3), "flavour": "fused"}
+    if not check:
+        graphs[spec.name] = entry
+        return
+    reference = target if dtype == "float32" else copy.deepcopy(target).float()  # see fused_target.TOLERANCE
+    try:
+        sess = P.session(files[0])
+        with torch.no_grad():
+            result = {"runtime": f"onnxruntime {ort.__version__} CPU", **fused_parity(sess, spec, reference, dtype)}
+    except (ort.capi.onnxruntime_pybind11_state.NotImplemented, TypeError) as exc:
+        # e.g. no bfloat16 GroupQueryAttention kernel on CPU: kept as the other graphs are, reported
+        result = {"skipped": f"onnxruntime CPU cannot run this graph: {str(exc).splitlines()[0][:200]}"}
+    if result.get("passed", True):
+        graphs[spec.name] = entry
+        parity[spec.name] = result
+        return
+    for path in files:
+        path.unlink()
+    dropped[spec.name] = {"reason": "parity against PyTorch failed", "parity": result}

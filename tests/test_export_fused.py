@@ -242,3 +242,43 @@ def test_external_data_and_refusals(tmp_path):
         build_fused_target(TargetModel(tiny_target_config(head_dim=8)))
     with pytest.raises(ExportError, match="dtype"):
         build_fused_target(model, "int8")
+
+
+def test_export_pair_fused_flavour(tmp_path):
+    """export_pair(flavours=("plain", "fused")) adds target_fused.onnx with its parity; the default
+    export is today's graphs, each entry recording flavour "plain"."""
+    from dspark.export.manifest import read_manifest
+    from dspark.export.pipeline import export_pair
+
+    root = golden_path("qwen3-tiny-vanilla")
+    manifest = export_pair(root / "target", root / "drafter", tmp_path, flavours=("plain", "fused"))
+    assert read_manifest(tmp_path, verify="sha256")["graphs"]["target_fused"]["flavour"] == "fused"
+    flavours = {name: entry["flavour"] for name, entry in manifest["graphs"].items()}
+    assert flavours.pop("target_fused") == "fused" and set(flavours.values()) == {"plain"}
+    assert manifest["dropped_graphs"] == {} and manifest["flavours"] == ["plain", "fused"]
+    parity = manifest["parity"]["target_fused"]
+    assert parity["passed"] and max(parity["max_abs_diff"].values()) <= ATOL
+    entry = manifest["graphs"]["target_fused"]
+    assert [t["name"] for t in entry["inputs"][:3]] == ["input_ids", "seqlens_k", "total_sequence_length"]
+    assert entry["inputs"][2] == {"name": "total_sequence_length", "dtype": "int32", "dims": []}
+    with pytest.raises(ExportError, match="flavours"):
+        export_pair(root / "target", root / "drafter", tmp_path / "x", flavours=("fused",))
+
+
+def test_fused_graph_is_dropped_when_it_cannot_pass(tmp_path, monkeypatch):
+    from dspark.export import pipeline
+
+    graphs, parity, dropped = {}, {}, {}
+    small = TargetModel(tiny_target_config(head_dim=8), (0,))
+    drafter_config = DrafterConfig(**{f: getattr(small.config, f) for f in (
+        "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+        "num_key_value_heads", "head_dim")}, target_layer_ids=(0,), num_target_layers=3)
+    pipeline._export_fused(small, drafter_config, "float32", 17, tmp_path, 2**31 - 1, True, graphs, parity, dropped)
+    assert "multiple of 16" in dropped["target_fused"]["reason"] and not graphs and not list(tmp_path.iterdir())
+
+    monkeypatch.setattr(pipeline, "fused_parity", lambda *a: {"max_abs_diff": {"logits": 1.0}, "passed": False})
+    dropped.clear()
+    pipeline._export_fused(_random_target(7), drafter_config, "float32", 17, tmp_path, 2**31 - 1, True, graphs,
+                           parity, dropped)
+    assert dropped["target_fused"]["reason"] == "parity against PyTorch failed"
+    assert not graphs and not parity and not list(tmp_path.iterdir())
