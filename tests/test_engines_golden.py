@@ -5,6 +5,7 @@ bucket picked for each verification call, and STS on real draft rounds."""
 from __future__ import annotations
 
 import json
+import math
 import shutil
 
 import numpy as np
@@ -13,8 +14,12 @@ from click.testing import CliRunner
 from conftest import golden_path, load_json
 
 from dspark.engines import build as B
+from dspark.engines import profiling
 from dspark.engines.calibration_data import collect_rounds
+from dspark.export import contract as C
+from dspark.export.cost_table import CostTable
 from dspark.export.engine_dir import load_engine_dir, read_engine_manifest
+from dspark.export.manifest import graph_specs, read_manifest
 from dspark.export.pipeline import export_pair
 from dspark.runtime.api import Runtime, RuntimeOptions
 from dspark.runtime.model_info import ModelInfo
@@ -55,20 +60,67 @@ def test_engine_dir_layout_and_manifest(engine_dir, export_dir):
 
 
 def test_sps_table_sanity(engine_dir):
+    """What the build measured, without comparing timings (they move with the machine's load): the
+    table's shape, real positive measurements where B >= R, and the lookups the scheduler makes."""
     engine = load_engine_dir(engine_dir)
     for graph in ("target", "target_static"):
         raw = engine.manifest["sps"]["tables"][graph]
         assert raw["batches"] == [1, 2, 4] and raw["buckets"] == list(BUCKETS)
+        assert len(raw["draft_seconds"]) == 3 and all(0 < d < math.inf for d in raw["draft_seconds"])
         for r, row in zip(raw["batches"], raw["verify_seconds"], strict=True):
             assert all((v is None) == (b < r) for b, v in zip(BUCKETS, row, strict=True))
-            assert all(0 < v < 1.0 for v in row if v is not None)
-        # 32 tokens in one row cost more than 1 token, whatever the machine's load
-        assert raw["verify_seconds"][0][-1] > raw["verify_seconds"][0][0]
+            assert all(0 < v < math.inf for v in row if v is not None)
         table = engine.cost_table(graph)
+        assert table.to_dict() == raw
+        # at each measured point: drafting plus the running maximum of the row so far
+        for draft, row, r in zip(raw["draft_seconds"], raw["verify_seconds"], raw["batches"], strict=True):
+            running = 0.0
+            for b, v in zip(BUCKETS, row, strict=True):
+                if v is not None:
+                    running = max(running, v)
+                    assert float(table.seconds(r, b)) == pytest.approx(draft + running, rel=1e-12)
         for r in (1, 2, 3, 4):
-            costs = [table.seconds(r, b) for b in range(r, 33)]
+            costs = [float(table.seconds(r, b)) for b in range(r, 33)]
             assert costs == sorted(costs) and all(c > 0 for c in costs)
-        assert engine.cost_table(graph).sps(1, 1) == pytest.approx(1 / table.seconds(1, 1))
+        assert float(table.sps(1, 1)) == pytest.approx(1 / float(table.seconds(1, 1)))
+
+
+def test_profiler_records_what_it_measured(export_dir, monkeypatch):
+    """The profiler with an injected timer (engines.profiling.time_median replaced): each table entry is
+    the time measured for its own (graph, R, B) point, with the feeds shaped [R, ceil(B / R)]."""
+    specs = graph_specs(read_manifest(export_dir))
+    calls: list[tuple[str, dict[str, tuple[int, ...]]]] = []
+
+    def run(graph, feeds):
+        calls.append((graph, {name: value.shape for name, value in feeds.items()}))
+
+    def timer(call, *, warmup, repeats):
+        assert (warmup, repeats) == (3, 4)
+        first = len(calls)
+        call()
+        return fake_seconds(calls[first:])
+
+    def fake_seconds(made) -> float:
+        if made[0][0] == C.BACKBONE:  # drafting: backbone, then the greedy head
+            assert [g for g, _ in made] == [C.BACKBONE, C.HEAD_GREEDY]
+            return 1e-2 * made[0][1]["block_ids"][0]
+        ((graph, shapes),) = made
+        rows, tokens = shapes["input_ids"]
+        return (2e-3 if graph == C.TARGET_STATIC else 1e-3) * rows + 1e-4 * rows * tokens
+
+    monkeypatch.setattr(profiling, "time_median", timer)
+    section = profiling.profile_section(run, specs, vocab_size=512, block_size=7, batches=(1, 2, 4),
+                                        buckets=BUCKETS, past=32, warmup=3, repeats=4)
+    assert (section["warmup"], section["repeats"], section["past"]) == (3, 4, 32)
+    assert set(section["tables"]) == {C.TARGET, C.TARGET_STATIC}
+    for graph, raw in section["tables"].items():
+        per_row = 2e-3 if graph == C.TARGET_STATIC else 1e-3
+        for r, row in zip((1, 2, 4), raw["verify_seconds"], strict=True):
+            want = [None if b < r else per_row * r + 1e-4 * r * math.ceil(b / r) for b in BUCKETS]
+            assert row == want, (graph, r)
+        assert raw["draft_seconds"] == [1e-2, 2e-2, 4e-2]
+        table = CostTable.from_dict(raw)
+        assert float(table.seconds(4, 16)) == pytest.approx(4e-2 + per_row * 4 + 1e-4 * 16, rel=1e-12)
 
 
 def test_reprofile_rewrites_only_the_table(engine_dir, tmp_path):

@@ -3,8 +3,12 @@ one profile per bucket in each target plan, the Polygraphy TRT-vs-ORT check pass
 
 from __future__ import annotations
 
+import math
+
 import pytest
 from conftest import golden_path
+
+from dspark.export.cost_table import MIN_SECONDS
 
 pytestmark = [pytest.mark.gpu, pytest.mark.tensorrt]
 trt = pytest.importorskip("tensorrt", reason="TensorRT is not installed (pip install 'dspark[tensorrt]' on a GPU box)")
@@ -32,4 +36,13 @@ def test_tensorrt_engine_for_the_golden_pair(tmp_path):
     assert len(section["profiles"]["drafter_backbone"]) == 1
     assert section["comparison"] and all(c["passed"] for c in section["comparison"])
     assert (tmp_path / "engine" / section["timing_cache"]).is_file()
-    assert engine.sps(1, 1) > 0
+    # the SPS table holds real measurements (above the lookup's MIN_SECONDS clamp) at every B >= R,
+    # and SPS(1, 1) is 1 / (drafting + verifying one token) as measured, not a clamped value
+    raw = engine.manifest["sps"]["tables"]["target"]
+    assert raw["batches"] == [1, 2, 4] and raw["buckets"] == list(buckets)
+    for r, row in zip(raw["batches"], raw["verify_seconds"], strict=True):
+        assert all((v is None) == (b < r) for b, v in zip(buckets, row, strict=True))
+        assert all(MIN_SECONDS < v < math.inf for v in row if v is not None), row
+    assert all(MIN_SECONDS < d < math.inf for d in raw["draft_seconds"])
+    measured = raw["draft_seconds"][0] + raw["verify_seconds"][0][0]
+    assert float(engine.cost_table("target").sps(1, 1)) == pytest.approx(1.0 / measured, rel=1e-12)

@@ -15,6 +15,7 @@ from dspark.runtime.model_info import ModelInfo
 from dspark.runtime.prefix_scheduler import SchedulerConfig
 from dspark.runtime.reference_decoder import autoregressive_generate, speculative_generate
 from dspark.runtime.requests import RequestError
+from dspark.runtime.stats import StepRecord
 from dspark.runtime.torch_backend import TorchBackend
 
 # A cost model under which Algorithm 1 admits some drafts and refuses others.
@@ -136,15 +137,54 @@ def test_stop_token_ends_request_early():
     assert result.finish_reason == "stop"
 
 
-def test_refit_cost_model_uses_the_timed_steps():
+def step_record(step: int, requests: int, tokens: int, seconds: float, *, prefill: float = 0.0,
+                drafted: bool = True) -> StepRecord:
+    """A decode step that took `seconds` (spread over the phases) plus `prefill` seconds of prefill."""
+    phases = {"prefill": prefill, "draft": 0.3 * seconds, "heads": 0.1 * seconds, "schedule": 0.05 * seconds,
+              "verify": 0.45 * seconds, "commit": 0.1 * seconds}
+    lengths = [tokens // requests - 1] * requests if requests else []
+    return StepRecord(step=step, requests=requests, admitted_new=0, lengths=lengths, verified_tokens=tokens,
+                      padded_tokens=tokens, acceptance_lengths=[1] * requests, expected_accepts=None,
+                      predicted_seconds=None, seconds=phases, drafted=drafted)
+
+
+def test_refit_cost_model_fits_the_recorded_step_times():
+    """Injected timings from a known t(R, B): the refit recovers its coefficients, leaving out prefill
+    time, idle steps, steps that skipped drafting and steps older than the window."""
     target, drafter = random_pair(5, scale=6.0)
     engine = make_engine(target, drafter, mode="dspark")
-    for n in (3, 9, 14, 6):
-        engine.submit(list(range(1, n + 1)), max_new_tokens=12)
-    engine.run_until_done()
+    law = StepCostModel(intercept=2e-3, per_request=5e-4, per_token=3e-4)
+    stale = StepCostModel(intercept=9e-2, per_request=0.0, per_token=1e-2)
+    g = torch.Generator().manual_seed(0)
+    step = 0
+    for _ in range(30):  # older than the last 64 steps: must not count
+        engine.stats.record(step_record(step, 2, 6, float(stale.seconds(2, 6))))
+        step += 1
+    for i in range(64):
+        requests = int(torch.randint(1, 5, (1,), generator=g))
+        tokens = requests + int(torch.randint(0, 7 * requests + 1, (1,), generator=g))
+        if i % 9 == 4:  # a step where the drafting gate skipped drafting: another kind of step
+            record = step_record(step, requests, requests, 0.5, drafted=False)
+        elif i % 13 == 6:  # an idle step (nothing active): prefill time only
+            record = step_record(step, 0, 0, 0.0, prefill=0.25)
+        else:  # prefill time of newly admitted requests is not part of t(R, B)
+            prefill = 0.2 if i % 5 == 0 else 0.0
+            record = step_record(step, requests, tokens, float(law.seconds(requests, tokens)), prefill=prefill)
+        engine.stats.record(record)
+        step += 1
     refit = engine.refit_cost_model()
     assert engine.cost_model is refit and refit is not COST
-    decode = [s for s in engine.stats.steps if s.requests]
-    mean_step = sum(s.total_seconds - s.seconds.get("prefill", 0.0) for s in decode) / len(decode)
-    mean_pred = sum(refit.seconds(s.requests, s.verified_tokens) for s in decode) / len(decode)
-    assert abs(mean_pred - mean_step) <= 0.5 * mean_step  # a least-squares fit tracks the measured mean
+    for got, want in zip((refit.intercept, refit.per_request, refit.per_token),
+                         (law.intercept, law.per_request, law.per_token), strict=True):
+        assert got == pytest.approx(want, rel=0, abs=1e-9)
+    for requests, tokens in ((1, 1), (3, 10), (8, 64)):
+        assert float(refit.seconds(requests, tokens)) == pytest.approx(float(law.seconds(requests, tokens)),
+                                                                       rel=0, abs=1e-9)
+    # a shorter window sees only the stale law's steps when they are the most recent
+    for _ in range(3):
+        for requests, tokens in ((1, 2), (2, 9), (4, 5)):
+            engine.stats.record(step_record(step, requests, tokens, float(stale.seconds(requests, tokens))))
+            step += 1
+    recent = engine.refit_cost_model(last_steps=9)
+    assert (recent.intercept, recent.per_request, recent.per_token) == pytest.approx(
+        (stale.intercept, stale.per_request, stale.per_token), rel=0, abs=1e-9)

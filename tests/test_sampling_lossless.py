@@ -23,6 +23,15 @@ VOCAB, NEW_TOKENS, RUNS = 8, 3, 1500
 PROMPT = [1, 2, 3]
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models: intra-op threads only contend on a shared CPU (many times slower here)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def _pair():
     target, drafter = random_pair(
         3,

@@ -183,3 +183,58 @@ def test_engine_is_lossless_under_the_scheduler_and_a_wrong_rule_is_caught(monke
     monkeypatch.setattr(batch_loop, "verify_chain", accept_everything)
     wrong, _ = engine_second_tokens(target, drafter, prompt, n)
     assert binned_pvalue(wrong, probs) < 1e-6
+
+
+# -- ties in survival: each request's admitted slots stay a prefix, τ* is what they add up to -------
+def capped(admit: int):
+    """step_seconds under which Θ = τ·SPS rises for the first `admit` candidates (a > 0) and drops at
+    the next: the step costs 1 s up to B = R + admit verified tokens and 1000 s beyond."""
+    return lambda requests, tokens: np.where(np.asarray(tokens) <= requests + admit, 1.0, 1000.0)
+
+
+def check_prefix_decision(survivals: torch.Tensor, decision, admitted: int) -> None:
+    """Algorithm 1 admitted `admitted` candidates: the lengths must verify exactly that many drafts
+    (a reversed tie-break admits slot j+1 before slot j and loses or adds one), and τ* must be R plus
+    the survival products of the verified prefixes."""
+    requests, gamma = survivals.shape
+    lengths = decision.lengths
+    assert len(lengths) == requests and all(0 <= k <= gamma for k in lengths)
+    assert sum(lengths) == admitted, (lengths, admitted)
+    for r, k in enumerate(lengths):  # only slots with a > 0 are candidates
+        assert all(float(survivals[r, j]) > 0 for j in range(k))
+    prefix_sum = sum(float(survivals[r, j]) for r in range(requests) for j in range(lengths[r]))
+    assert decision.expected_accepts == pytest.approx(requests + prefix_sum, rel=0, abs=1e-12)
+
+
+TIES = [
+    [[0.5, 0.5, 0.5, 0.2]],  # one request, three tied slots
+    [[0.5, 0.5, 0.1, 0.1], [0.5, 0.5, 0.5, 0.0]],  # ties within and across requests, a zero slot
+    [[1.0, 1.0, 1.0, 0.9], [0.9, 0.9, 0.3, 0.3], [1.0, 0.25, 0.25, 0.25]],
+]
+
+
+@pytest.mark.parametrize("values", TIES, ids=["one-request", "two-requests", "three-requests"])
+def test_tied_survivals_admit_a_prefix_of_each_request(values):
+    a = torch.tensor(values, dtype=torch.float64)
+    candidates = int((a > 0).sum())
+    for admit in range(candidates + 1):
+        decision = prefix_schedule(a, capped(admit))
+        check_prefix_decision(a, decision, admit)
+        tokens = a.shape[0] + sum(decision.lengths)
+        assert decision.expected_throughput == pytest.approx(decision.expected_accepts / 1.0)
+        assert decision.considered == min(admit + 1, candidates), admit
+        assert tokens == a.shape[0] + admit
+
+
+def test_saturated_confidences_tie_at_one_and_still_admit_a_prefix():
+    # σ(40) rounds to 1.0 in float64: the first slots of request 0 all survive with a = 1 exactly.
+    conf = torch.tensor([[40.0, 40.0, 40.0, -1.0], [40.0, 0.0, 40.0, 40.0]])
+    a = survival(conf)
+    assert float(a[0, 0]) == float(a[0, 1]) == float(a[0, 2]) == float(a[1, 0]) == 1.0
+    for admit in range(int((a > 0).sum()) + 1):
+        decision = schedule(SchedulerConfig("dspark", gate_drafting=False), requests=2, block_size=4,
+                            confidence_logits=conf, step_seconds=capped(admit))
+        check_prefix_decision(a, decision, admit)
+    # one admission among four tied a = 1 candidates: slot 1 of request 0 (request, then position)
+    assert schedule(SchedulerConfig("dspark"), requests=2, block_size=4, confidence_logits=conf,
+                    step_seconds=capped(1)).lengths == (1, 0)
