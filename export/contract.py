@@ -36,7 +36,9 @@ max_b(past_b) + tokens; new token t of row b sits at position past_b + t and see
 (causal). `past_key_values.{i}.*` and `present.{i}.*` are one buffer [batch, kv_heads, capacity,
 head_dim] per layer and kind that the runtime binds as both (IO binding): the graph writes the new
 keys/values in place at slots past_b .. past_b + tokens - 1. Rows with fewer real tokens are right-padded.
-Flattened trees and hidden (padding) columns are not expressible: use `target.onnx` for those.
+`target_fused_tree.onnx` adds `position_ids` [batch, tokens] and a bool `attention_mask` [batch, 1,
+tokens, total_sequence_length] whose columns are absolute cache slots (True = may attend; the causal
+rule still applies on top, so it can only hide): flattened draft trees and hidden past slots.
 
 Drafter backbone (`drafter_backbone.onnx`): the new context features and their positions, the
 cached projected context keys/values per draft layer, the block (anchor + mask ids) and its
@@ -60,6 +62,7 @@ from dspark.models import DrafterConfig, TargetConfig
 TARGET = "target"
 TARGET_STATIC = "target_static"
 TARGET_FUSED = "target_fused"
+TARGET_FUSED_TREE = "target_fused_tree"
 BACKBONE = "drafter_backbone"
 HEAD_STEP = "drafter_head_step"
 HEAD_GREEDY = "drafter_head_greedy"
@@ -156,15 +159,21 @@ def target_static_spec(config: TargetConfig, feature_size: int, dtype: str) -> G
     )
 
 
-def target_fused_spec(config: TargetConfig, feature_size: int, dtype: str) -> GraphSpec:
-    """`target_fused.onnx`: past and present K/V are the same bound buffer (`capacity` slots)."""
+def target_fused_spec(config: TargetConfig, feature_size: int, dtype: str, tree: bool = False) -> GraphSpec:
+    """`target_fused.onnx` (`target_fused_tree.onnx` with `tree`): past and present K/V are the same
+    bound buffer (`capacity` slots)."""
     kvh, hd, layers = config.num_key_value_heads, config.head_dim, config.num_hidden_layers
+    tree_inputs = (
+        TensorSpec("position_ids", "int64", ("batch", "tokens")),
+        TensorSpec("attention_mask", "bool", ("batch", 1, "tokens", "total_sequence_length")),
+    ) if tree else ()
     return GraphSpec(
-        TARGET_FUSED,
+        TARGET_FUSED_TREE if tree else TARGET_FUSED,
         inputs=(
             TensorSpec("input_ids", "int64", ("batch", "tokens")),
             TensorSpec("seqlens_k", "int32", ("batch",)),
             TensorSpec("total_sequence_length", "int32", ()),
+            *tree_inputs,
             *_kv("past_key_values", layers, kvh, "capacity", hd, dtype),
         ),
         outputs=(

@@ -33,15 +33,24 @@ GroupQueryAttention: that is the operator's own default, spelled out, and it lif
 "batch_size must be 1 when sequence_length > 1 and past context is given" restriction, so batched
 k-token verification over rows with different pasts works on the CPU provider.
 
-What GroupQueryAttention cannot express here (use the plain `target.onnx` for these):
-- arbitrary attention masks: attention is causal over slots `0 .. past_b + t` of row b. Flattened
-  draft trees (a node sees only its ancestors, position = past + depth) and left-padded rows with
-  hidden columns are not expressible with this graph's inputs. (ORT 1.32's operator has optional
-  `position_ids` and `attention_bias` inputs that could carry a tree; this flavour leaves them out.)
-- cache slots that are not a contiguous prefix: row b's visible keys are exactly its first
-  `past_b` slots, in position order.
+The tree variant (`tree=True`, `target_fused_tree.onnx`) adds `position_ids` [batch, tokens] and a
+bool `attention_mask` [batch, 1, tokens, total_sequence_length] over absolute cache slots (True =
+may attend), turned into GroupQueryAttention's `attention_bias` (0 / the dtype's lowest value). The
+operator's causal rule still applies on top: new token t of row b sees at most slots
+`0 .. past_b + t`, so the mask can only hide, never reveal. A flattened draft tree (nodes in
+topological order, each seeing the past and its ancestors, positions past + depth) and hidden past
+slots are both such masks. Its keys/values land at slots past_b + t in flattened order: after
+verification the runtime moves the accepted path's slots down to past_b, past_b + 1, ... (their
+rotary positions, past_b + depth, are already those of the compacted slots).
+
+What GroupQueryAttention cannot express (use the plain `target.onnx` for these):
+- the chain graph has no mask: row b's visible keys are exactly its first `past_b` slots plus the
+  new tokens causally (no trees, no hidden slots: use the tree variant);
+- masks that reveal a later slot to an earlier token (GroupQueryAttention is causal: `causal=0`
+  refuses `query_seqlens`, and without it the CPU kernel refuses batch > 1 with a past and more
+  than one new token);
 - head_dim not a multiple of 16 (the CPU kernel refuses it), positions >= the cos/sin cache rows
-  (`max_positions`, default `max_position_embeddings`), and RoPE other than the default.
+  (`max_positions`, default `max_position_embeddings`), and RoPE other than the default;
 - bfloat16 on the CPU provider (no CPU kernel; CUDA has one).
 """
 
@@ -68,6 +77,7 @@ _ELEM = {
     "bfloat16": TensorProto.BFLOAT16,
     "int64": TensorProto.INT64,
     "int32": TensorProto.INT32,
+    "bool": TensorProto.BOOL,
 }
 _TORCH = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -131,15 +141,17 @@ def _linear(b: _Builder, x: str, weights: list[torch.Tensor], biases: list[torch
 
 
 def build_fused_target(model: TargetModel, dtype: str = "float32", *, opset: int = 17,
-                       max_positions: int | None = None) -> onnx.ModelProto:
+                       max_positions: int | None = None, tree: bool = False) -> onnx.ModelProto:
     """The fused target graph of `model` (I/O: `contract.target_fused_spec`), weights cast to `dtype`.
 
     `max_positions` is the number of rows of the rotary cos/sin caches, i.e. one more than the
     largest position the graph can be fed (default: the config's `max_position_embeddings`).
+    `tree=True` builds `target_fused_tree` (see `contract.target_fused_spec`): explicit position ids
+    and a bool mask over absolute cache slots, for flattened draft trees.
     """
     check_fusable(model, dtype)
     c = model.config
-    spec = C.target_fused_spec(c, len(model.context_layer_ids) * c.hidden_size, dtype)
+    spec = C.target_fused_spec(c, len(model.context_layer_ids) * c.hidden_size, dtype, tree=tree)
     nh, kvh, hd, eps = c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps
     b = _Builder(dtype)
     norm_attrs = {"epsilon": eps, "axis": -1, "stash_type": 1}
@@ -163,6 +175,12 @@ def build_fused_target(model: TargetModel, dtype: str = "float32", *, opset: int
     (tokens32,) = b.op("Cast", [tokens], "query_seqlens/Cast", to=TensorProto.INT32)
     (totals,) = b.op("Add", ["seqlens_k", b.const("one_i32", [1], np.int32)], "query_seqlens/Add")
     (query_seqlens,) = b.op("Min", [totals, tokens32], "query_seqlens/Min")
+    tree_inputs = ["", ""]
+    if tree:  # bool mask -> additive bias (0 where visible, the dtype's lowest value where hidden)
+        hidden = b.weight("attention_bias/hidden", torch.tensor(torch.finfo(_TORCH[dtype]).min))
+        (bias,) = b.op("Where", ["attention_mask", b.weight("attention_bias/visible", torch.tensor(0.0)), hidden],
+                       "attention_bias/Where")
+        tree_inputs = ["position_ids", bias]
 
     with torch.no_grad():
         (x,) = b.op("Gather", [b.weight("embed_tokens.weight", model.embed_tokens.weight), "input_ids"],
@@ -183,7 +201,7 @@ def build_fused_target(model: TargetModel, dtype: str = "float32", *, opset: int
             (attn, *_) = b.op(
                 "GroupQueryAttention",
                 [q, k, v, f"past_key_values.{i}.key", f"past_key_values.{i}.value", "seqlens_k",
-                 "total_sequence_length", cos_cache, sin_cache, "", "", "", "", "", "", "", query_seqlens],
+                 "total_sequence_length", cos_cache, sin_cache, *tree_inputs, "", "", "", "", "", query_seqlens],
                 f"{p}/GroupQueryAttention",
                 outputs=[f"{p}/attn", f"present.{i}.key", f"present.{i}.value"],
                 domain=MS_DOMAIN, num_heads=nh, kv_num_heads=kvh, scale=hd**-0.5, do_rotary=1,
@@ -216,7 +234,7 @@ def build_fused_target(model: TargetModel, dtype: str = "float32", *, opset: int
     _context_features(b, [features[i] for i in model.context_layer_ids], x)
 
     graph = helper.make_graph(
-        b.nodes, C.TARGET_FUSED, [_value_info(t) for t in spec.inputs], [_value_info(t) for t in spec.outputs],
+        b.nodes, spec.name, [_value_info(t) for t in spec.inputs], [_value_info(t) for t in spec.outputs],
         b.initializers,
     )
     return helper.make_model(
@@ -251,10 +269,10 @@ def _value_info(t: C.TensorSpec) -> onnx.ValueInfoProto:
 
 def save_fused_target(model: onnx.ModelProto, out_dir: Path, *,
                       external_data_threshold: int = TWO_GB) -> list[Path]:
-    """Write `target_fused.onnx` (weights to `target_fused.onnx.data` above the threshold); returns
+    """Write `<graph name>.onnx` (weights to `<graph name>.onnx.data` above the threshold); returns
     the written files. The graph holds com.microsoft ops and the ORT-only SimplifiedLayerNormalization,
     so onnx.checker cannot check it: loading it into ONNX Runtime is the check (`check_loads`)."""
-    path = Path(out_dir) / f"{C.TARGET_FUSED}.onnx"
+    path = Path(out_dir) / f"{model.graph.name}.onnx"
     weight_bytes = sum(len(t.raw_data) if t.HasField("raw_data") else numpy_helper.to_array(t).nbytes
                        for t in model.graph.initializer)
     if weight_bytes > external_data_threshold:
@@ -268,9 +286,10 @@ def save_fused_target(model: onnx.ModelProto, out_dir: Path, *,
 
 
 def export_fused_target(model: TargetModel, out_dir: str | Path, dtype: str = "float32", *, opset: int = 17,
-                        external_data_threshold: int = TWO_GB, max_positions: int | None = None) -> list[Path]:
+                        external_data_threshold: int = TWO_GB, max_positions: int | None = None,
+                        tree: bool = False) -> list[Path]:
     """Build and write the fused target graph of `model` into `out_dir`; returns the written files."""
-    graph = build_fused_target(model, dtype, opset=opset, max_positions=max_positions)
+    graph = build_fused_target(model, dtype, opset=opset, max_positions=max_positions, tree=tree)
     return save_fused_target(graph, Path(out_dir), external_data_threshold=external_data_threshold)
 
 
@@ -309,6 +328,7 @@ class SharedKVRunner:
         self._total = np.zeros((), np.int32)
         self._bind_input("seqlens_k", self._seqlens)
         self._bind_input("total_sequence_length", self._total)
+        self.tree = "position_ids" in types
         outputs = {t.name: t for t in spec.outputs}
         self._vocab, self._features = outputs["logits"].dims[2], outputs["context_features"].dims[2]
         self._widths: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray, list]] = {}
@@ -334,8 +354,10 @@ class SharedKVRunner:
             self._bound_width = tokens
         return ids, logits, features
 
-    def step(self, input_ids, past_lengths) -> tuple[np.ndarray, np.ndarray]:
-        """input_ids [batch, tokens] int; past_lengths [batch] int (each row's committed slots)."""
+    def step(self, input_ids, past_lengths, position_ids=None, attention_mask=None) -> tuple[np.ndarray, np.ndarray]:
+        """input_ids [batch, tokens] int; past_lengths [batch] int (each row's committed slots).
+        Tree graphs also take position_ids [batch, tokens] and attention_mask [batch, 1, tokens,
+        max(past_lengths) + tokens] bool over absolute slots."""
         input_ids = np.asarray(input_ids)
         past = np.asarray(past_lengths, dtype=np.int64)
         if input_ids.shape[0] != self.batch or past.shape != (self.batch,):
@@ -343,10 +365,17 @@ class SharedKVRunner:
         tokens = input_ids.shape[1]
         if past.min() < 0 or past.max() + tokens > self.capacity:
             raise ValueError(f"past lengths {past.tolist()} + {tokens} tokens exceed the capacity {self.capacity}")
+        if self.tree != (position_ids is not None and attention_mask is not None):
+            raise ValueError("a tree graph needs position_ids and attention_mask; a chain graph takes neither")
         ids, logits, features = self._width(tokens)
         ids[...] = input_ids
         self._seqlens[...] = past + tokens - 1
         self._total[...] = past.max() + tokens
+        if self.tree:  # the arrays must outlive the run: ORT reads them in place
+            positions = np.ascontiguousarray(position_ids, dtype=np.int64)
+            mask = np.ascontiguousarray(attention_mask, dtype=bool)
+            self.io.bind_cpu_input("position_ids", positions)
+            self.io.bind_cpu_input("attention_mask", mask)
         self.session.run_with_iobinding(self.io)
         return logits, features
 
@@ -366,43 +395,90 @@ PARITY_STEPS = (  # (label, tokens per row this step; a row's real tokens; the r
 TOLERANCE = {"float32": 1e-4, "float16": 1e-1, "bfloat16": 2.5e-1}
 
 
+def causal_slots(past_lengths, tokens: int) -> tuple[np.ndarray, np.ndarray]:
+    """The tree graph's inputs for a plain causal step: position_ids [batch, tokens] = past_b + t and
+    attention_mask [batch, 1, tokens, max(past) + tokens] = slot <= past_b + t."""
+    past = np.asarray(past_lengths, dtype=np.int64)
+    positions = past[:, None] + np.arange(tokens)
+    mask = np.arange(past.max() + tokens)[None, None, None, :] <= positions[:, None, :, None]
+    return positions, mask
+
+
+def tree_slots(parents: list[list[int]], past_lengths, tokens: int) -> tuple[np.ndarray, np.ndarray]:
+    """The tree graph's inputs for one flattened tree per row (`parents[b][t]`: node t's parent,
+    -1 for the root, parents first; rows with fewer nodes are right-padded causally): positions
+    past_b + depth, and each node sees its row's past slots and its ancestors' slots."""
+    positions, mask = causal_slots(past_lengths, tokens)
+    for b, (par, past) in enumerate(zip(parents, past_lengths, strict=True)):
+        mask[b, 0, : len(par), past:] = False
+        for t, parent in enumerate(par):
+            positions[b, t] = past if parent < 0 else positions[b, parent] + 1
+            mask[b, 0, t, past + t] = True
+            if parent >= 0:
+                mask[b, 0, t, past: past + tokens] |= mask[b, 0, parent, past: past + tokens]
+    return positions, mask
+
+
 def fused_parity(session, spec: C.GraphSpec, model: TargetModel, dtype: str, seed: int = 0) -> dict:
     """Max |diff| of logits, context_features and the written K/V slots against `model` (use a
-    float32 model: see TOLERANCE) over `PARITY_STEPS`, and whether every element passed
-    atol = rtol = TOLERANCE[dtype] (`dtype`: the graph's)."""
+    float32 model: see TOLERANCE) over `PARITY_STEPS` (tree graphs: fed causal masks, then one
+    more step of random trees, each node against its root-to-node path), and whether every element
+    passed atol = rtol = TOLERANCE[dtype] (`dtype`: the graph's)."""
     g = np.random.default_rng(seed)
     vocab, tol = model.config.vocab_size, TOLERANCE[dtype]
     worst = {"logits": 0.0, "context_features": 0.0, "present": 0.0}
     passed = True
 
-    def compare(runner: SharedKVRunner, rows: list[list[int]], new: list[list[int]], logits, features) -> None:
+    def reference(tokens: list[int]):
+        with torch.no_grad():
+            return model(torch.tensor([tokens]), torch.arange(len(tokens))[None])
+
+    def check(name: str, got: np.ndarray, want: torch.Tensor) -> None:
         nonlocal passed
+        got, want = got.astype(np.float64), want.double().numpy()
+        if got.size:
+            worst[name] = max(worst[name], float(np.abs(got - want).max()))
+            passed = passed and bool(np.all(np.abs(got - want) <= tol + tol * np.abs(want)))
+
+    def step(runner: SharedKVRunner, rows: list[list[int]], new: list[list[int]], width: int) -> None:
+        """Right-pad `new` to `width`, run it causally on `rows` and check every row."""
+        ids = g.integers(0, vocab, (len(rows), width))
+        for b, ran in enumerate(new):
+            ids[b, : len(ran)] = ran
+        pasts = [len(r) for r in rows]
+        logits, features = runner.step(ids, pasts, *(causal_slots(pasts, width) if runner.tree else ()))
         for b, (past, ran) in enumerate(zip(rows, new, strict=True)):
-            tokens = past + ran
-            with torch.no_grad():
-                ref = model(torch.tensor([tokens]), torch.arange(len(tokens))[None])
-            n = len(ran)
-            pairs = [("logits", logits[b, :n], ref.logits[0, -n:]),
-                     ("context_features", features[b, :n], ref.context_features[0, -n:])]
-            pairs += [("present", runner.kv[2 * i + j][b, :, : len(tokens)], kv[j][0])
-                      for i, kv in enumerate(ref.present) for j in (0, 1)]
-            for name, got, want in pairs:
-                got, want = got.astype(np.float64), want.double().numpy()
-                if got.size:
-                    worst[name] = max(worst[name], float(np.abs(got - want).max()))
-                    passed = passed and bool(np.all(np.abs(got - want) <= tol + tol * np.abs(want)))
+            ref, n = reference(past + ran), len(ran)
+            check("logits", logits[b, :n], ref.logits[0, -n:])
+            check("context_features", features[b, :n], ref.context_features[0, -n:])
+            for i, kv in enumerate(ref.present):
+                for j in (0, 1):
+                    check("present", runner.kv[2 * i + j][b, :, : len(past) + n], kv[j][0])
 
     one = SharedKVRunner(session, spec, 1, 64)
-    prompt = g.integers(0, vocab, 64).tolist()
-    compare(one, [[]], [prompt], *one.step([prompt], [0]))
+    step(one, [[]], [g.integers(0, vocab, 64).tolist()], 64)
     runner = SharedKVRunner(session, spec, 4, 64)
     rows: list[list[int]] = [[] for _ in range(4)]
     for _, lengths in PARITY_STEPS[1:]:
-        width = max(lengths)
-        ids = g.integers(0, vocab, (4, width))
-        new = [ids[b, :n].tolist() for b, n in enumerate(lengths)]
-        compare(runner, rows, new, *runner.step(ids, [len(r) for r in rows]))
+        new = [g.integers(0, vocab, n).tolist() for n in lengths]
+        step(runner, rows, new, max(lengths))
         rows = [r + n for r, n in zip(rows, new, strict=True)]
-    reference = str(model.embed_tokens.weight.dtype).removeprefix("torch.")
-    return {"cases": [label for label, _ in PARITY_STEPS], "reference": f"PyTorch {reference}",
-            "max_abs_diff": worst, "tolerance": tol, "passed": passed}
+    cases = [label for label, _ in PARITY_STEPS]
+    if runner.tree:
+        cases.append("tree b4 t8 (rows of 8, 6, 8, 3 nodes)")
+        parents = [[-1] + [int(g.integers(0, t)) for t in range(1, n)] for n in (8, 6, 8, 3)]
+        ids = g.integers(0, vocab, (4, 8))
+        pasts = [len(r) for r in rows]
+        logits, features = runner.step(ids, pasts, *tree_slots(parents, pasts, 8))
+        for b, par in enumerate(parents):
+            for t in range(len(par)):
+                path, node = [], t
+                while node >= 0:
+                    path.insert(0, node)
+                    node = par[node]
+                ref = reference(rows[b] + ids[b, path].tolist())
+                check("logits", logits[b, t], ref.logits[0, -1])
+                check("context_features", features[b, t], ref.context_features[0, -1])
+    dtype_name = str(model.embed_tokens.weight.dtype).removeprefix("torch.")
+    return {"cases": cases, "reference": f"PyTorch {dtype_name}", "max_abs_diff": worst, "tolerance": tol,
+            "passed": passed}

@@ -101,7 +101,8 @@ def graph_jobs(
 
 
 # "plain": the traced graphs every runtime path needs (always exported). "fused": also
-# `target_fused.onnx` (ONNX Runtime contrib ops, see fused_target.py), kept only if it passes parity.
+# `target_fused.onnx` and `target_fused_tree.onnx` (ONNX Runtime contrib ops, see fused_target.py),
+# each kept only if it passes parity.
 FLAVOURS = ("plain", "fused")
 
 
@@ -132,9 +133,10 @@ def export_pair(
 ) -> dict[str, Any]:
     """Export every graph of the pair into `out_dir` and write `export.json`; returns the manifest.
 
-    `flavours=("plain", "fused")` adds `target_fused.onnx` (ONNX Runtime fused ops), kept only if the
-    target fits it and, with `check`, it passes its parity sweep; otherwise it is left out and the
-    reason recorded under `dropped_graphs`. Each graph entry records its `flavour`.
+    `flavours=("plain", "fused")` adds `target_fused.onnx` and `target_fused_tree.onnx` (ONNX Runtime
+    fused ops), each kept only if the target fits it and, with `check`, it passes its parity sweep;
+    otherwise it is left out and the reason recorded under `dropped_graphs`. Each graph entry records
+    its `flavour`.
 
     Raises CheckpointError (missing/corrupt files, unsupported architecture),
     IncompatibleDrafterError (drafter not made for this target) or ExportError (bad options).
@@ -175,8 +177,9 @@ def export_pair(
             parity[job.spec.name] = _measure(job, out_dir / job.spec.file)
     dropped: dict[str, Any] = {}
     if "fused" in flavours:
-        _export_fused(target, drafter_config, dtype, opset, out_dir, external_data_threshold, check,
-                      graphs, parity, dropped)
+        for tree in (False, True):
+            _export_fused(target, drafter_config, dtype, opset, out_dir, external_data_threshold, check,
+                          graphs, parity, dropped, tree=tree)
     manifest = {
         "format_version": FORMAT_VERSION,
         "dtype": dtype,
@@ -219,16 +222,19 @@ def _export_fused(
     graphs: dict[str, Any],
     parity: dict[str, Any],
     dropped: dict[str, Any],
+    tree: bool = False,
 ) -> None:
-    """Add `target_fused.onnx` to `graphs`/`parity`, or its reason to `dropped` (files removed)."""
-    spec = C.target_fused_spec(target.config, drafter_config.context_feature_size, dtype)
+    """Add `target_fused.onnx` (`target_fused_tree.onnx` with `tree`) to `graphs`/`parity`, or its
+    reason to `dropped` (files removed)."""
+    spec = C.target_fused_spec(target.config, drafter_config.context_feature_size, dtype, tree=tree)
     try:
         check_fusable(target, dtype)
     except ExportError as exc:
         dropped[spec.name] = {"reason": str(exc)}
         return
     t0 = time.perf_counter()
-    files = export_fused_target(target, out_dir, dtype, opset=opset, external_data_threshold=external_data_threshold)
+    files = export_fused_target(target, out_dir, dtype, opset=opset, external_data_threshold=external_data_threshold,
+                                tree=tree)
     entry = {**spec.to_json(), "files": file_entries(files, out_dir),
              "export_seconds": round(time.perf_counter() - t0, 3), "flavour": "fused"}
     if not check:

@@ -20,7 +20,13 @@ from safetensors.torch import load_file
 
 from dspark.export import contract as C
 from dspark.export import feeds as F
-from dspark.export.fused_target import SharedKVRunner, build_fused_target, export_fused_target
+from dspark.export.fused_target import (
+    SharedKVRunner,
+    build_fused_target,
+    causal_slots,
+    export_fused_target,
+    tree_slots,
+)
 from dspark.export.lower import ExportError, lower
 from dspark.export.target_graph import TargetGraph
 from dspark.models import DrafterConfig, TargetModel
@@ -39,27 +45,36 @@ def _session(model_bytes: bytes, threads: int = 1) -> ort.InferenceSession:
 
 
 class Fused:
-    def __init__(self, model: TargetModel) -> None:
+    def __init__(self, model: TargetModel, tree: bool = False) -> None:
         self.model = model
         self.spec = C.target_fused_spec(model.config, len(model.context_layer_ids) * model.config.hidden_size,
-                                        "float32")
-        self.session = _session(build_fused_target(model).SerializeToString())
+                                        "float32", tree=tree)
+        self.session = _session(build_fused_target(model, tree=tree).SerializeToString())
 
     def runner(self, batch: int, capacity: int) -> SharedKVRunner:
         return SharedKVRunner(self.session, self.spec, batch, capacity)
 
 
-def _load(target_dir: Path, drafter_dir: Path) -> Fused:
+def _load(target_dir: Path, drafter_dir: Path, tree: bool = False) -> Fused:
     ids = DrafterConfig.from_folder(drafter_dir).target_layer_ids
-    return Fused(TargetModel.from_pretrained(target_dir, ids))
+    return Fused(TargetModel.from_pretrained(target_dir, ids), tree)
+
+
+def _pair_dirs(name: str) -> tuple[Path, Path]:
+    if name == "golden":
+        root = golden_path("qwen3-tiny-vanilla")
+        return root / "target", root / "drafter"
+    return DEMO / "target", DEMO / "dspark"
 
 
 @pytest.fixture(scope="module", params=["golden", "demo"])
 def fused(request) -> Fused:
-    if request.param == "golden":
-        root = golden_path("qwen3-tiny-vanilla")
-        return _load(root / "target", root / "drafter")
-    return _load(DEMO / "target", DEMO / "dspark")
+    return _load(*_pair_dirs(request.param))
+
+
+@pytest.fixture(scope="module", params=["golden", "demo"])
+def fused_tree(request) -> Fused:
+    return _load(*_pair_dirs(request.param), tree=True)
 
 
 def _reference(model: TargetModel, tokens: list[int]):
@@ -131,6 +146,66 @@ def test_decode_and_verify_with_rollback(fused):
     print(f"\ndecode + verify k=2..8 max |diff| {worst}, final pasts {[len(r) for r in rows]}")
 
 
+def test_tree_verification_and_compaction(fused_tree):
+    """Rows at pasts 19 and 8 verify flattened random trees (row 1 right-padded); each node's logits
+    equal those of its root-to-node path; after moving an accepted path's K/V slots down, a chain
+    step on top matches a full recompute."""
+    fused, g = fused_tree, np.random.default_rng(4)
+    model, vocab = fused.model, fused.model.config.vocab_size
+    runner = fused.runner(2, 64)
+    rows = [g.integers(0, vocab, 19).tolist(), g.integers(0, vocab, 8).tolist()]
+    ids = np.zeros((2, 19), np.int64)
+    ids[0], ids[1, :8] = rows[0], rows[1]
+    runner.step(ids, [0, 0], *causal_slots([0, 0], 19))
+
+    torch_g = torch.Generator().manual_seed(5)
+    nodes, real = 7, (7, 5)
+    parents = [F.random_parents(n, torch_g) for n in real]
+    tree_ids = g.integers(0, vocab, (2, nodes))
+    pasts = [len(r) for r in rows]
+    positions = np.zeros((2, nodes), np.int64)
+    mask = np.zeros((2, 1, nodes, max(pasts) + nodes), bool)
+    for b, (p, par) in enumerate(zip(pasts, parents, strict=True)):  # feeds.py's tree rows, causal padding
+        positions[b] = np.arange(p, p + nodes)
+        positions[b, : len(par)] = F.tree_positions(par, p)[0].numpy()
+        mask[b, 0, :, : p + nodes] = np.tril(np.ones((nodes, p + nodes), bool), k=p)
+        mask[b, 0, : len(par), : p + len(par)] = F.tree_mask(par, p)[0, 0].numpy()
+    slots = tree_slots(parents, pasts, nodes)
+    np.testing.assert_array_equal(slots[0], positions)
+    np.testing.assert_array_equal(slots[1], mask)
+    logits, features = runner.step(tree_ids, pasts, positions, mask)
+    worst = 0.0
+    paths = []
+    for b, par in enumerate(parents):
+        for t in range(len(par)):
+            path = _path(par, t)
+            ref_logits, ref_features, _ = _reference(model, rows[b] + tree_ids[b, path].tolist())
+            np.testing.assert_allclose(logits[b, t], ref_logits[-1], atol=ATOL, rtol=ATOL)
+            np.testing.assert_allclose(features[b, t], ref_features[-1], atol=ATOL, rtol=ATOL)
+            worst = max(worst, float(np.abs(logits[b, t] - ref_logits[-1]).max()))
+        paths.append(max((_path(par, t) for t in range(len(par))), key=len))
+
+    for b, path in enumerate(paths):  # accept the deepest path: move its slots down
+        for kv in runner.kv:
+            kv[b, :, pasts[b]: pasts[b] + len(path)] = kv[b][:, [pasts[b] + n for n in path]]
+        rows[b] = rows[b] + tree_ids[b, path].tolist()
+    new = g.integers(0, vocab, (2, 2))
+    pasts = [len(r) for r in rows]
+    logits, _ = runner.step(new, pasts, *causal_slots(pasts, 2))
+    for b in range(2):
+        ref_logits, _, _ = _reference(model, rows[b] + new[b].tolist())
+        np.testing.assert_allclose(logits[b], ref_logits[-2:], atol=ATOL, rtol=ATOL)
+    print(f"\ntree nodes max |diff| {worst:.2e}, accepted paths {paths}")
+
+
+def _path(parents: list[int], node: int) -> list[int]:
+    path = []
+    while node >= 0:
+        path.insert(0, node)
+        node = parents[node]
+    return path
+
+
 def test_golden_prompt_matches_deepspec_tensors():
     root = golden_path("qwen3-tiny-vanilla")
     fused = _load(root / "target", root / "drafter")
@@ -161,11 +236,12 @@ def test_node_count_after_ort_optimizer(tmp_path):
     lower(TargetGraph(model), F.target_feeds(model.config, F.Case(2, 3, 5), torch.float32, g),
           C.target_spec(model.config, features, "float32"), tmp_path, opset=17)
     (fused_path,) = export_fused_target(model, tmp_path)
+    (tree_path,) = export_fused_target(model, tmp_path, tree=True)
     plain = _optimized_nodes(tmp_path / "target.onnx", tmp_path)
-    fused_nodes = _optimized_nodes(fused_path, tmp_path)
+    fused_nodes, tree_nodes = _optimized_nodes(fused_path, tmp_path), _optimized_nodes(tree_path, tmp_path)
     print(f"\nnodes after ORT_ENABLE_ALL (demo target, 4 layers): plain target.onnx {plain}, "
-          f"target_fused.onnx {fused_nodes}")
-    assert fused_nodes * 3 < plain
+          f"target_fused.onnx {fused_nodes}, target_fused_tree.onnx {tree_nodes}")
+    assert fused_nodes * 3 < plain and tree_nodes == fused_nodes + 1  # + the mask -> bias Where
 
 
 def _random_target(seed: int, **overrides) -> TargetModel:
@@ -254,10 +330,14 @@ def test_export_pair_fused_flavour(tmp_path):
     manifest = export_pair(root / "target", root / "drafter", tmp_path, flavours=("plain", "fused"))
     assert read_manifest(tmp_path, verify="sha256")["graphs"]["target_fused"]["flavour"] == "fused"
     flavours = {name: entry["flavour"] for name, entry in manifest["graphs"].items()}
-    assert flavours.pop("target_fused") == "fused" and set(flavours.values()) == {"plain"}
+    assert flavours.pop("target_fused") == flavours.pop("target_fused_tree") == "fused"
+    assert set(flavours.values()) == {"plain"}
     assert manifest["dropped_graphs"] == {} and manifest["flavours"] == ["plain", "fused"]
-    parity = manifest["parity"]["target_fused"]
-    assert parity["passed"] and max(parity["max_abs_diff"].values()) <= ATOL
+    for name in ("target_fused", "target_fused_tree"):
+        parity = manifest["parity"][name]
+        print(f"\n{name} parity: {parity}")
+        assert parity["passed"] and max(parity["max_abs_diff"].values()) <= ATOL
+    assert any("tree" in case for case in manifest["parity"]["target_fused_tree"]["cases"])
     entry = manifest["graphs"]["target_fused"]
     assert [t["name"] for t in entry["inputs"][:3]] == ["input_ids", "seqlens_k", "total_sequence_length"]
     assert entry["inputs"][2] == {"name": "total_sequence_length", "dtype": "int32", "dims": []}
