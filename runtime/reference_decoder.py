@@ -23,7 +23,7 @@ from dspark.models import DSparkDrafter, TargetModel, crop_kv_cache
 from .prefix_scheduler import threshold_length
 from .proposer import propose_block
 from .rejection import verify_chain
-from .requests import RequestError, truncate_at_stop, validate_request
+from .requests import RequestError, find_stop, truncate_at_stop, validate_request
 from .sampling import sample_token
 
 
@@ -130,7 +130,7 @@ def speculative_generate(
     result = SpeculativeResult(tokens=[int(anchor)])
     masks = torch.full((1, gamma - 1), drafter.config.mask_token_id)
 
-    while len(result.tokens) < max_new_tokens and result.tokens[-1] not in stop_token_ids:
+    while len(result.tokens) < max_new_tokens and find_stop(result.tokens, stop_token_ids, 0, max_new_tokens) is None:
         context_positions = torch.arange(drafted_upto, start)[None]
         backbone = drafter.forward_backbone(
             block_ids=torch.cat((anchor[:, None], masks), dim=1),

@@ -17,7 +17,7 @@ import torch
 
 from dspark.models import DSparkDrafter, TargetModel
 
-from .requests import RequestError, truncate_at_stop, validate_request
+from .requests import RequestError, find_stop, truncate_at_stop, validate_request
 from .sampling import sample_token
 from .tree_builder import DraftTree, TreeMode, build_tree, sample_tree
 from .tree_verifier import accept_tree, compact_kv_cache, path_features, run_tree
@@ -93,7 +93,7 @@ def tree_generate(
     result = TreeResult(tokens=[anchor])
     masks = torch.full((1, gamma - 1), drafter.config.mask_token_id)
 
-    while len(result.tokens) < max_new_tokens and result.tokens[-1] not in stop_token_ids:
+    while len(result.tokens) < max_new_tokens and find_stop(result.tokens, stop_token_ids, 0, max_new_tokens) is None:
         backbone = drafter.forward_backbone(
             block_ids=torch.cat((torch.tensor([[anchor]]), masks), dim=1),
             block_position_ids=torch.arange(start, start + gamma)[None],
