@@ -8,6 +8,8 @@ tokens on the same cached keys/values, fed at its best:
     plain-runtime  what `runtime/ort_backend.py` does today: bind_cpu_input + bind_output per call
     fused          `SharedKVRunner`: one K/V buffer per layer bound as past and present; the call
                    writes its new keys/values in place at slots past .. past+k-1 (re-run = rollback)
+    fused-tree     the same through `target_fused_tree.onnx`, fed a causal mask and positions
+                   (`causal_slots`): what the tree graph's mask costs
 
 Repeats are interleaved (every graph and case once per round) so that machine noise hits all of
 them alike; each sample is the mean of `--calls` back-to-back calls, on the wall clock and on this
@@ -33,7 +35,7 @@ import torch
 
 from dspark.export import contract as C
 from dspark.export import feeds as F
-from dspark.export.fused_target import SharedKVRunner, export_fused_target
+from dspark.export.fused_target import SharedKVRunner, causal_slots, export_fused_target
 from dspark.export.lower import lower
 from dspark.export.target_graph import TargetGraph
 from dspark.models import DrafterConfig, TargetModel
@@ -114,13 +116,19 @@ def main() -> None:
         lower(TargetGraph(model), F.target_feeds(c, F.Case(2, 3, 5), torch.float32, torch.Generator().manual_seed(0)),
               spec, Path(tmp), opset=17)
         export_fused_target(model, tmp)
+        export_fused_target(model, tmp, tree=True)
         plain = session(Path(tmp) / spec.file)
         fused = session(Path(tmp) / f"{C.TARGET_FUSED}.onnx")
+        fused_tree = session(Path(tmp) / f"{C.TARGET_FUSED_TREE}.onnx")
 
-    fused_spec = C.target_fused_spec(c, features, "float32")
-    runner = SharedKVRunner(fused, fused_spec, args.batch, args.past + max(args.verify, 1))
+    capacity = args.past + max(args.verify, 1)
+    runner = SharedKVRunner(fused, C.target_fused_spec(c, features, "float32"), args.batch, capacity)
     runner.step(g.integers(0, c.vocab_size, (args.batch, args.past)), [0] * args.batch)  # the shared past
     past = [np.ascontiguousarray(kv[:, :, : args.past]) for kv in runner.kv]
+    tree_runner = SharedKVRunner(fused_tree, C.target_fused_spec(c, features, "float32", tree=True), args.batch,
+                                 capacity)
+    for mine, shared in zip(tree_runner.kv, runner.kv, strict=True):
+        mine[...] = shared
     calls: dict[str, Callable[[], None]] = {}
     for k in (1, args.verify):
         ids = g.integers(0, c.vocab_size, (args.batch, k))
@@ -133,6 +141,13 @@ def main() -> None:
         calls[f"k={k} plain"] = prebound
         calls[f"k={k} plain-runtime"] = runtime_style
         calls[f"k={k} fused"] = lambda ids=ids: runner.step(ids, [args.past] * args.batch)
+        slots = causal_slots([args.past] * args.batch, k)
+        tree_logits, _ = tree_runner.step(ids, [args.past] * args.batch, *slots)
+        diff = max(diff, float(np.abs(tree_logits - plain_logits).max()))
+        if diff > 1e-3:
+            raise SystemExit(f"k={k}: fused tree and plain logits differ by {diff}")
+        calls[f"k={k} fused-tree"] = lambda ids=ids, slots=slots: tree_runner.step(ids, [args.past] * args.batch,
+                                                                                    *slots)
 
     clocks = {"wall": time.perf_counter, "cpu": time.thread_time}
     samples = {clock: {name: [] for name in calls} for clock in clocks}
@@ -153,9 +168,10 @@ def main() -> None:
         "ms": {clock: {n: {"min": min(s), "median": statistics.median(s)} for n, s in per.items()}
                for clock, per in samples.items()},
     }
-    result["fused_over"] = {clock: {
-        f"k={k} {base}": {stat: ms[f"k={k} fused"][stat] / ms[f"k={k} {base}"][stat] for stat in ("min", "median")}
-        for k in (1, args.verify) for base in ("plain", "plain-runtime")
+    result["ratios"] = {clock: {
+        f"k={k} {mine} / {base}": {stat: ms[f"k={k} {mine}"][stat] / ms[f"k={k} {base}"][stat]
+                                   for stat in ("min", "median")}
+        for k in (1, args.verify) for mine in ("fused", "fused-tree") for base in ("plain", "plain-runtime")
     } for clock, ms in result["ms"].items()}
     if args.json:
         print(json.dumps(result, indent=1))
@@ -166,8 +182,8 @@ def main() -> None:
         print(label)
         for name, s in result["ms"][clock].items():
             print(f"  {name:20s} min {s['min']:.4f} ms  median {s['median']:.4f} ms")
-        for name, r in result["fused_over"][clock].items():
-            print(f"  fused / {name:18s} min {r['min']:.3f}  median {r['median']:.3f}")
+        for name, r in result["ratios"][clock].items():
+            print(f"  {name:30s} min {r['min']:.3f}  median {r['median']:.3f}")
 
 
 if __name__ == "__main__":
