@@ -14,7 +14,7 @@ from conftest import golden_path
 
 from dspark.models import TargetModel
 from dspark.runtime.reference_decoder import autoregressive_generate
-from dspark.tools.cli import _COMMANDS, _NOT_BUILT, main
+from dspark.tools.cli import _COMMANDS, main
 
 
 def _one_line_error(result, prog: str, *fragments: str) -> str:
@@ -31,7 +31,7 @@ def _one_line_error(result, prog: str, *fragments: str) -> str:
 def test_help_lists_every_command():
     result = CliRunner().invoke(main, ["--help"])
     assert result.exit_code == 0
-    for name in (*_COMMANDS, *_NOT_BUILT):
+    for name in _COMMANDS:
         assert name in result.output
 
 
@@ -53,7 +53,6 @@ def test_export_and_build_engine_are_the_console_scripts_commands(monkeypatch, c
     ctx = click.Context(main)
     assert main.get_command(ctx, "export") is export
     assert main.get_command(ctx, "build-engine") is build_engine
-    assert CliRunner().invoke(main, ["--help"]).output.count("[not built yet]") == len(_NOT_BUILT)
     for name, script, entry in (("export", "dspark-export", cli.export_main),
                                 ("build-engine", "dspark-build-engine", cli.build_engine_main)):
         via_group = CliRunner().invoke(main, [name, "--help"])
@@ -103,13 +102,6 @@ def test_user_errors_of_the_console_scripts_name_the_script(tmp_path):
     result = CliRunner().invoke(main, ["export", "--target", str(tmp_path / "nope"), "--drafter", str(tmp_path),
                                        "--out", str(tmp_path / "out")])
     _one_line_error(result, "dspark export", "does not exist")
-
-
-@pytest.mark.parametrize("name", sorted(_NOT_BUILT))
-def test_unbuilt_commands_say_so_and_exit_2(name):
-    result = CliRunner().invoke(main, [name, "--anything"])
-    assert result.exit_code == 2
-    assert "not built yet" in result.output
 
 
 @pytest.mark.parametrize("scheduler", ["dspark", "fixed", "off"])

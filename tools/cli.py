@@ -24,24 +24,18 @@ _COMMANDS: dict[str, tuple[str, str, str]] = {
     "calibrate": ("calibrate_command", "calibrate", "Sequential Temperature Scaling of confidences."),
     "serve": ("serve_command", "serve", "Serve the OpenAI API (completions, chat), metrics and a dashboard."),
 }
-_NOT_BUILT: dict[str, str] = {}  # name -> what it will be: listed, and exits 2 saying it is not built yet
 
 
 class _LazyGroup(click.Group):
     def list_commands(self, ctx: click.Context) -> list[str]:
-        return sorted({*_COMMANDS, *_NOT_BUILT})
+        return sorted(_COMMANDS)
 
     def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
-        if name in _COMMANDS:
-            return _load(name)
-        if name in _NOT_BUILT:
-            return _not_built(name, _NOT_BUILT[name])
-        return None
+        return _load(name) if name in _COMMANDS else None
 
     def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         """The command list from the help kept above, without importing any command module."""
-        rows = [(name, _COMMANDS[name][2] if name in _COMMANDS else f"[not built yet] {_NOT_BUILT[name]}.")
-                for name in self.list_commands(ctx)]
+        rows = [(name, _COMMANDS[name][2]) for name in self.list_commands(ctx)]
         with formatter.section("Commands"):
             formatter.write_dl(rows)
 
@@ -49,16 +43,6 @@ class _LazyGroup(click.Group):
 def _load(name: str) -> click.Command:
     module, attr, _ = _COMMANDS[name]
     return getattr(importlib.import_module(f"dspark.tools.{module}"), attr)
-
-
-def _not_built(name: str, what: str) -> click.Command:
-    @click.command(name, help=f"[not built yet] {what}.", context_settings={"ignore_unknown_options": True})
-    @click.argument("args", nargs=-1, type=click.UNPROCESSED)
-    def command(args: tuple[str, ...]) -> None:
-        click.echo(f"dspark {name}: not built yet ({what}).", err=True)
-        raise SystemExit(2)
-
-    return command
 
 
 @click.group("dspark", cls=_LazyGroup)
