@@ -83,7 +83,9 @@ function frame(ctx, w, h, lo, hi, fmt, pad) {
 function drawLines(chart, data) {
   const { ctx, w, h } = setupCanvas(chart.canvas);
   const pad = { l: 38, r: 6, t: 6, b: 14 };
-  const t = data.series.t, right = data.now, left = right - WINDOW_S;
+  // The last WINDOW_S seconds, or less while the history is shorter (at least 10 s).
+  const t = data.series.t, right = data.now;
+  const span = Math.min(WINDOW_S, Math.max(10, t.length ? right - t[0] : 0)), left = right - span;
   let hi = chart.max, count = 0;
   if (hi === undefined) {
     hi = 0;
@@ -92,9 +94,9 @@ function drawLines(chart, data) {
   }
   const lo = chart.min || 0;
   frame(ctx, w, h, lo, hi, chart.fmt, pad);
-  ctx.fillText(`-${WINDOW_S}s`, pad.l, h - 2);
+  ctx.fillText(`-${Math.round(span)}s`, pad.l, h - 2);
   ctx.fillText("now", w - pad.r - 18, h - 2);
-  const x = (s) => pad.l + (w - pad.l - pad.r) * ((s - left) / WINDOW_S);
+  const x = (s) => pad.l + (w - pad.l - pad.r) * ((s - left) / span);
   const y = (v) => h - pad.b - (h - pad.t - pad.b) * ((Math.min(Math.max(v, lo), hi) - lo) / (hi - lo));
   chart.values.innerHTML = "";
   chart.series.forEach(([field, label], i) => {
@@ -156,6 +158,8 @@ function render(data) {
   const main = document.getElementById("dashboard");
   main.dataset.updates = String(Number(main.dataset.updates) + 1);
   main.dataset.steps = String(data.totals.steps);
+  document.querySelector("#chart-ece .title span").textContent = data.calibrated
+    ? "ECE of STS-calibrated confidences" : "ECE of raw confidences (the engine has no STS temperatures)";
   const status = document.getElementById("status");
   status.className = "status";
   status.textContent = `γ=${data.block_size} · ${data.calibrated ? "STS-calibrated" : "uncalibrated"} · ` +
