@@ -144,6 +144,10 @@ def test_dashboard_renders_and_updates_in_headless_chromium(tmp_path):
                 for chart in ("accepted-length", "positions", "ece", "requests", "throughput", "utilisation", "kv"):
                     assert drawn_pixels(browser, chart) > 200, chart
                 assert "steps" in browser.find_element(By.ID, "status").text
+                exposition = httpx.get(f"{url}/metrics").text  # the same state, as the app's /metrics serves it
+                for name in ("dspark:spec_decode_num_accepted_tokens_total", "dspark:num_requests_running",
+                             "dspark:time_to_first_token_seconds_bucket", "dspark:kv_tokens_used"):
+                    assert name in exposition, name
                 errors = [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
                 assert not errors, errors
                 save_full_page(browser, SCREENSHOT)
