@@ -215,6 +215,18 @@ def test_empty_metrics_render_nan_ece_and_load():
     assert ("dspark:gpu_utilization_percent", ()) not in values  # no monitor, no GPU reading
 
 
+def test_resources_from_the_runtime_monitor_gpu_included():
+    """With NVML answering (the runtime's Monitor), the GPU gauges appear; host CPU comes from the monitor."""
+    from dspark.runtime.monitor import LoadReading
+
+    service = FakeService()
+    service.runtime.monitor = SimpleNamespace(sample=lambda: LoadReading(55.0, 80.0, 123_456_789))
+    values = scrape(ServingMetrics(service))
+    assert values["dspark:cpu_utilization_percent", ()] == 55.0
+    assert values["dspark:gpu_utilization_percent", ()] == 80.0
+    assert values["dspark:gpu_memory_used_bytes", ()] == 123_456_789
+
+
 def finished(submitted: float, deliveries: list[tuple[float, int]], end: float):
     timings = RequestTimings(submitted)
     for when, count in deliveries:
