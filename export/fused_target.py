@@ -371,11 +371,11 @@ class SharedKVRunner:
         ids[...] = input_ids
         self._seqlens[...] = past + tokens - 1
         self._total[...] = past.max() + tokens
-        if self.tree:  # the arrays must outlive the run: ORT reads them in place
-            positions = np.ascontiguousarray(position_ids, dtype=np.int64)
-            mask = np.ascontiguousarray(attention_mask, dtype=bool)
-            self.io.bind_cpu_input("position_ids", positions)
-            self.io.bind_cpu_input("attention_mask", mask)
+        if self.tree:  # kept on self: ORT reads them in place, also if `io` is run again
+            self._tree_feeds = (np.ascontiguousarray(position_ids, dtype=np.int64),
+                                np.ascontiguousarray(attention_mask, dtype=bool))
+            self.io.bind_cpu_input("position_ids", self._tree_feeds[0])
+            self.io.bind_cpu_input("attention_mask", self._tree_feeds[1])
         self.session.run_with_iobinding(self.io)
         return logits, features
 
