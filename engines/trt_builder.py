@@ -142,6 +142,8 @@ def build_trt(
     graphs, profiles, comparisons = {}, {}, []
     specs = graph_specs(export_manifest)
     for name, entry in export_manifest["graphs"].items():
+        if entry.get("flavour", "plain") != "plain":
+            continue  # the fused flavour is made of ONNX Runtime contrib ops, which TensorRT cannot parse
         spec = specs[name]
         onnx_path = export_dir / entry["file"]
         shapes = graph_profiles(spec, buckets, limits)
