@@ -100,6 +100,9 @@ def test_models_and_health(server):
     assert [m.id for m in client(url).models.list()] == [MODEL]
     health = httpx.get(f"{url}/health").json()
     assert health["status"] == "ok" and health["slots_total"] == 64
+    metrics = httpx.get(f"{url}/metrics")
+    assert metrics.status_code == 200 and "dspark:num_requests_running" in metrics.text
+    assert httpx.get(f"{url}/dashboard").status_code == 200
     with pytest.raises(openai.NotFoundError, match="not served here"):
         client(url).completions.create(model="gpt-4", prompt="x", max_tokens=2)
 

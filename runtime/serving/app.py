@@ -30,7 +30,9 @@ from ..kv_cache import CapacityError
 from ..requests import RequestError
 from ..text import TOKENIZER_FILE, TextCodec, TextStream, cut_text
 from . import protocol as P
+from .dashboard import dashboard_routes
 from .handle import QueueFull, RequestFailed, RequestHandle, ServiceClosed
+from .metrics import ServingMetrics
 from .service import EngineService
 
 log = logging.getLogger("dspark.serving")
@@ -277,8 +279,10 @@ def _error_response(request: Request, exc: Exception) -> Response:
     return JSONResponse(P.ApiError(500, "internal server error", kind="server_error").body(), status_code=500)
 
 
-def create_app(service: EngineService, config: ServerConfig | None = None, *, metrics: Any = None) -> Starlette:
-    """The app. `metrics`: a ServingMetrics (made here when None and the metrics module is present)."""
+def create_app(service: EngineService, config: ServerConfig | None = None, *,
+               metrics: ServingMetrics | None = None) -> Starlette:
+    """The app over a running service. `metrics`: the ServingMetrics behind /metrics and /dashboard (made
+    here, subscribed to the service, when None)."""
     config = config or ServerConfig()
     server = OpenAIServer(service, config)
     routes: list[BaseRoute] = [
@@ -295,14 +299,8 @@ def create_app(service: EngineService, config: ServerConfig | None = None, *, me
     return app
 
 
-def _observability_routes(service: EngineService, metrics: Any) -> list[BaseRoute]:
-    """/metrics and the dashboard, from the metrics and dashboard modules."""
-    try:
-        from .dashboard import dashboard_routes
-        from .metrics import ServingMetrics
-    except ModuleNotFoundError as exc:  # until those modules land: the API still serves
-        log.warning("metrics/dashboard unavailable: %s", exc)
-        return []
+def _observability_routes(service: EngineService, metrics: ServingMetrics | None) -> list[BaseRoute]:
+    """/metrics (Prometheus exposition) and the dashboard, both over one ServingMetrics."""
     metrics = metrics if metrics is not None else ServingMetrics(service)
 
     async def render(request: Request) -> Response:

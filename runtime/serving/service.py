@@ -236,6 +236,8 @@ class EngineService:
     def _deliver(self) -> None:
         """Hand finished results off and give every running request its new tokens; wake async readers
         once per event loop."""
+        with self._lock:  # before anyone hears of this step: a client answered now must see the queue as it is
+            self._engine_queued = len(self.engine.queue)
         done = finish_at_stop_strings(self.engine, self._watches)
         now = time.monotonic()
         woken: dict[asyncio.AbstractEventLoop, list[asyncio.Event]] = {}
@@ -248,7 +250,6 @@ class EngineService:
             if handle is not None:
                 self._end(handle, result, now, woken=woken)
         wake_loops(woken)
-        self._engine_queued = len(self.engine.queue)
 
     def _end(self, handle: RequestHandle, result: RequestResult, now: float, error: BaseException | None = None,
              woken: dict | None = None) -> None:
