@@ -191,3 +191,14 @@ def test_queue_limit_gives_429_with_retry_after(tmp_path):
         waiting.settimeout(30)
         assert waiting.recv(12) == b"HTTP/1.1 200"
         waiting.close()
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_pre_rendered_token_chunks_equal_the_chunk_objects(chat):
+    from dspark.runtime.serving import protocol as P
+
+    request = P.ServeRequest(chat=chat, model=None)
+    chunks = P.TokenChunks(request, "cmpl-x", 'a "model"', 17)
+    for text in ("", 'héllo "q"\n\u2028\\', "x"):
+        expected = P.sse(P.chunk(request, "cmpl-x", 'a "model"', 17, text=text, extras={"token_ids": [1, 22, 333]}))
+        assert chunks.render(text, [1, 22, 333]) == expected

@@ -140,12 +140,12 @@ class OpenAIServer:
                       seed: int) -> Any:
         model, created = self.config.model_name, int(time.time())
         stream = TextStream(self.codec, req.stop_strings) if self.codec is not None else None
+        chunks = P.TokenChunks(req, rid, model, created)
         if req.chat or echo:
             yield P.sse(P.chunk(req, rid, model, created, text=echo, role=req.chat))
         try:
             async for tokens in handle.astream():
-                piece = stream.push(tokens) if stream is not None else ""
-                yield P.sse(P.chunk(req, rid, model, created, text=piece, extras={"token_ids": tokens}))
+                yield chunks.render(stream.push(tokens) if stream is not None else "", tokens)
             result = handle.result(0)
         except (RequestFailed, ServiceClosed) as exc:
             yield P.sse(P.ApiError(500, str(exc), kind="server_error").body()) + P.sse("[DONE]")

@@ -270,6 +270,22 @@ def chunk(request: ServeRequest, rid: str, model: str, created: int, *, text: st
     return out
 
 
+class TokenChunks:
+    """The stream's token chunks (one per step per client: the hot path) with their constant parts rendered
+    once; the bytes equal `sse(chunk(..., text=text, extras={"token_ids": ids}))`."""
+
+    def __init__(self, request: ServeRequest, rid: str, model: str, created: int) -> None:
+        head = json.dumps({"id": rid, "object": "chat.completion.chunk" if request.chat else "text_completion",
+                           "created": created, "model": model}, separators=(",", ":"), ensure_ascii=False)[:-1]
+        field = '"delta":{"content":' if request.chat else '"text":'
+        self._pre = f'data: {head},"choices":[{{"index":0,{field}'
+        self._post = ('}' if request.chat else '') + ',"logprobs":null,"finish_reason":null}],"dspark":{"token_ids":['
+
+    def render(self, text: str, ids: list[int]) -> bytes:
+        body = json.dumps(text, ensure_ascii=False)
+        return f"{self._pre}{body}{self._post}{','.join(map(str, ids))}]}}}}\n\n".encode()
+
+
 def sse(data: dict[str, Any] | str) -> bytes:
     payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"), ensure_ascii=False)
     return f"data: {payload}\n\n".encode()
