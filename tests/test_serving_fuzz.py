@@ -10,9 +10,11 @@ import random
 import socket
 
 import httpx
+import pytest
 from test_serving_support import running_server, tiny_runtime
 
 from dspark.runtime.serving.app import ServerConfig, create_app
+from dspark.runtime.serving.protocol import ApiError, parse_json
 from dspark.runtime.serving.service import EngineService
 
 KEY = "fuzz-key"
@@ -124,3 +126,12 @@ def test_malformed_requests_all_get_4xx_and_the_server_still_serves(tmp_path):
             (expected,) = rt.generate(GOOD["prompt"], max_new_tokens=4, temperature=0, stop=rt.info.eos_token_ids)
             assert answer["choices"][0]["text"] == expected.text
             assert answer["dspark"]["token_ids"] == expected.tokens
+
+
+@pytest.mark.parametrize("raw", [b'{"a": NaN}', b'{"a": [Infinity]}', b'{"a": -Infinity}', b"[" * 70 + b"]" * 70,
+                                 b"[" * 100_000 + b"]" * 100_000, b"[]", b"7", b'"x"', b"\xff"])
+def test_the_parser_itself_refuses_what_json_does_not_allow(raw):
+    """Defence in depth: these are refused before any field check could."""
+    with pytest.raises(ApiError) as caught:
+        parse_json(raw)
+    assert caught.value.status == 400

@@ -134,3 +134,4 @@ def test_text_stream_holds_back_partial_characters_and_stop_prefixes(runtime):
     watch = StopWatch(codec, ["\n\n"])
     cut = next(k for k in range(1, len(ids) + 1) if watch.check(ids[:k]) is not None)
     assert "\n\n" in codec.decode(ids[:cut]) and "\n\n" not in codec.decode(ids[: cut - 1])
+    assert cut < len(ids) and StopWatch(codec, ["\n\n"]).check(ids) == cut  # all at once: the same token
