@@ -76,3 +76,13 @@ def random_pair(seed: int, target_overrides: dict | None = None, drafter_overrid
         drafter.embed_tokens.weight.copy_(target.embed_tokens.weight)
         drafter.lm_head.weight.copy_(target.lm_head.weight)
     return target, drafter
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models: intra-op threads only contend on a shared CPU (many times slower here).
+    Modules opt in with `pytestmark = pytest.mark.usefixtures("one_thread")`."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

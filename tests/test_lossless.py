@@ -17,13 +17,7 @@ HEADS = [
 ]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models: intra-op threads only contend on a shared CPU (many times slower here)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def check_rounds(result, prompt: list[int], *, max_new_tokens: int, gamma: int) -> None:

@@ -18,14 +18,7 @@ from sampling_law import engine_runs, exact_law_of_tokens_2_and_3, pooled_pvalue
 from dspark.runtime import batch_loop, rejection
 from dspark.runtime.rejection import ChainVerdict
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models: intra-op threads only contend on a shared CPU."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # p_0, p_1 at the two draft positions and p_2 after them (the bonus row); q close to p where drafted

@@ -23,13 +23,7 @@ VOCAB, NEW_TOKENS, RUNS = 8, 3, 1500
 PROMPT = [1, 2, 3]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models: intra-op threads only contend on a shared CPU (many times slower here)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _pair():

@@ -20,13 +20,7 @@ LOGITS = torch.tensor([[2.0, 1.0, 0.0, -1.0, 0.5, 3.0],
                        [0.0, 0.2, -2.0, 1.5, 1.0, -0.5]])
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models: intra-op threads only contend on a shared CPU."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_softmax_here_is_softmax_of_logits_over_t():

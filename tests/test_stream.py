@@ -5,7 +5,6 @@ at max_new_tokens inside a step's overshoot; every chunk non-empty (trained gold
 from __future__ import annotations
 
 import pytest
-import torch
 from conftest import golden_path, load_json
 
 from dspark.models import load_pair
@@ -19,13 +18,7 @@ SET = "qwen3-tiny-vanilla"
 COST = StepCostModel(intercept=1e-3, per_request=2e-4, per_token=4e-4)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models: intra-op threads only contend on a shared CPU."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module", params=["dspark", "fixed"])

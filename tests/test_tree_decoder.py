@@ -27,14 +27,7 @@ from dspark.runtime.tree_verifier import (
     tree_inputs,
 )
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models: intra-op threads only contend on a shared CPU (about 50x slower here)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.mark.parametrize("head", ["vanilla", "rnn"])
