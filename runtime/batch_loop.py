@@ -124,15 +124,16 @@ class BatchEngine:
         prompt = validate_request(prompt_ids, vocab_size=self.info.vocab_size, max_positions=self.info.max_positions,
                                   max_new_tokens=max_new_tokens, temperature=temperature)
         stop = stop_set(stop_token_ids, self.info.vocab_size)
-        self.admission.check_servable(self._need(len(prompt), max_new_tokens))
+        self.admission.check_servable(self.positions_needed(len(prompt), max_new_tokens))
         request_id = next(self._ids)
         generator = torch.Generator().manual_seed(seed) if temperature > 0 else None
         result = RequestResult(request_id, prompt, [], submitted_step=self._step)
         self.queue.append(_Active(result, max_new_tokens, float(temperature), stop, generator))
         return request_id
 
-    def _need(self, prompt_len: int, max_new_tokens: int) -> int:
-        # committed positions never exceed prompt + max_new + one block of overshoot
+    def positions_needed(self, prompt_len: int, max_new_tokens: int) -> int:
+        """KV positions a request reserves: committed positions never exceed prompt + max_new + one
+        block of overshoot. Public so the service can refuse a request before it queues."""
         return prompt_len + max_new_tokens + self.info.block_size + 1
 
     def tokens_so_far(self, request_id: int) -> list[int]:
@@ -227,7 +228,7 @@ class BatchEngine:
         new = []
         while self.queue:
             request = self.queue[0]
-            need = self._need(len(request.result.prompt_ids), request.max_new_tokens)
+            need = self.positions_needed(len(request.result.prompt_ids), request.max_new_tokens)
             if not self.admission.fits(need):
                 break
             self.queue.popleft()

@@ -88,7 +88,7 @@ class EngineService:
         ids = validate_request(self.runtime.prompt_ids(prompt), vocab_size=info.vocab_size,
                                max_positions=info.max_positions, max_new_tokens=max_new_tokens, temperature=temperature)
         stop_set(stop_ids, info.vocab_size)
-        engine.admission.check_servable(engine._need(len(ids), max_new_tokens))  # pure: reads the capacity only
+        engine.admission.check_servable(engine.positions_needed(len(ids), max_new_tokens))
         with self._lock:
             if self._stop.is_set():
                 raise ServiceClosed("the engine service is closed")
@@ -106,7 +106,7 @@ class EngineService:
         """The most new tokens a prompt of this length can ask for (slot length, KV budget, position limit
         and the service's cap); < 1 when the prompt alone is too long."""
         engine, capacity = self.engine, self.engine.admission.capacity
-        room = min(capacity.max_seq_len, capacity.max_tokens) - engine._need(prompt_len, 0)
+        room = min(capacity.max_seq_len, capacity.max_tokens) - engine.positions_needed(prompt_len, 0)
         room = min(room, self.runtime.info.max_positions - prompt_len)
         return room if self.max_new_tokens is None else min(room, self.max_new_tokens)
 
