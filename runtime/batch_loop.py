@@ -35,7 +35,7 @@ from .drafting_gate import DraftingGate, SplitStepCost
 from .kv_cache import Admission, Capacity, SlotCache
 from .model_info import ModelInfo
 from .monitor import Monitor
-from .prefix_scheduler import Decision, SchedulerConfig, schedule
+from .prefix_scheduler import Decision, SchedulerConfig, StepScheduler
 from .proposer import DraftBlock, propose_rows
 from .rejection import verify_chain
 from .requests import find_stop, stop_set, validate_request
@@ -96,6 +96,7 @@ class BatchEngine:
         self.kv_mode, self._target_graph = kv_mode, graph
         self.backend, self.info, self.scheduler = backend.open(), info, scheduler  # its owner closes it
         self.cost_model, self.monitor = cost_model, monitor
+        self.planner = StepScheduler(scheduler)
         self.gate = (DraftingGate(cost_model) if scheduler.mode == "dspark" and scheduler.gate_drafting
                      and isinstance(cost_model, SplitStepCost) else None)
         self.admission = Admission(capacity)
@@ -193,7 +194,7 @@ class BatchEngine:
             begin = _phase(seconds, "heads", begin)
         if drafting or not self.scheduler.needs_drafts:
             step_seconds = self.cost_model.seconds if self.cost_model else None
-            decision = schedule(self.scheduler, requests=rows, block_size=self.info.block_size,
+            decision = self.planner.decide(requests=rows, block_size=self.info.block_size,
                                 confidence_logits=None if block is None else block.confidence_logits,
                                 step_seconds=step_seconds)
         else:
@@ -217,6 +218,9 @@ class BatchEngine:
             drafted=drafting,
         )
         self.stats.record(record)
+        observe = getattr(self.cost_model, "observe", None)
+        if observe is not None:  # a live cost model learns the machine's current speed
+            observe(record)
         self._retire()
         self._step += 1
         return record

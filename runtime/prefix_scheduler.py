@@ -155,6 +155,25 @@ def threshold_length(confidence_logits: torch.Tensor, threshold: float) -> int:
     return int(below[0]) if below.numel() else confidence_logits.shape[0]
 
 
+class StepScheduler:
+    """The engine's scheduler: one per engine, asked once per step. Synchronous modes are the
+    stateless `schedule`; a stateful mode keeps what it learns from earlier steps here."""
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+
+    def decide(
+        self,
+        *,
+        requests: int,
+        block_size: int,
+        confidence_logits: torch.Tensor | None,  # [R, γ] or None
+        step_seconds: StepSeconds | None,
+    ) -> Decision:
+        return schedule(self.config, requests=requests, block_size=block_size,
+                        confidence_logits=confidence_logits, step_seconds=step_seconds)
+
+
 def schedule(
     config: SchedulerConfig,
     *,
