@@ -29,7 +29,7 @@ from dspark.export.manifest import read_manifest
 
 from .backend import Backend
 from .backend_registry import open_backend
-from .batch_loop import DEFAULT_KV_MODE, BatchEngine
+from .batch_loop import BatchEngine
 from .cost_model import StepCost
 from .kv_cache import Capacity
 from .model_info import ModelInfo
@@ -55,7 +55,7 @@ class TextResult(RequestResult):
 @dataclass(frozen=True)
 class RuntimeOptions:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    kv_mode: str = DEFAULT_KV_MODE
+    kv_mode: str | None = None  # target graph flavour (target_runner.KV_MODES); None: the best there is
     max_requests: int = 64
     max_seq_len: int = 1024
     max_tokens: int | None = None  # None = max_requests * max_seq_len

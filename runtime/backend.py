@@ -135,16 +135,35 @@ class Backend(ABC):
     def _run(self, graph: str, feeds: Mapping[str, Array]) -> dict[str, Array]: ...
 
     def run(self, graph: str, feeds: Mapping[str, Array]) -> dict[str, Array]:
+        self._check(graph, feeds)
+        begin = time.perf_counter()
+        out = self._run(graph, feeds)
+        self.times.seconds[graph].append(time.perf_counter() - begin)
+        return out
+
+    def run_into(self, graph: str, feeds: Mapping[str, np.ndarray], outputs: Mapping[str, np.ndarray]) -> None:
+        """Run `graph` and leave the named outputs in the given preallocated arrays (C-contiguous,
+        of the outputs' shapes and dtypes); other outputs are dropped. An array that is both a feed
+        and an output is one buffer the graph updates in place (a fused graph's shared past/present
+        K/V). This base version copies after `run`; backends that can bind output memory (ONNX
+        Runtime) write straight into the arrays."""
+        self._check(graph, feeds)
+        begin = time.perf_counter()
+        self._run_into(graph, feeds, outputs)
+        self.times.seconds[graph].append(time.perf_counter() - begin)
+
+    def _run_into(self, graph: str, feeds: Mapping[str, np.ndarray], outputs: Mapping[str, np.ndarray]) -> None:
+        out = self._run(graph, feeds)
+        for name, array in outputs.items():
+            np.copyto(array, np.asarray(out[name]))
+
+    def _check(self, graph: str, feeds: Mapping[str, Array]) -> None:
         if not self._is_open:
             raise BackendError(f"{type(self).__name__} is not open: call open() (or use it in a with block) first")
         if graph not in self.specs:
             raise BackendError(f"no graph '{graph}' in this backend (has: {sorted(self.specs)})")
         if self.check_inputs:
             check_feeds(self.specs[graph], feeds)
-        begin = time.perf_counter()
-        out = self._run(graph, feeds)
-        self.times.seconds[graph].append(time.perf_counter() - begin)
-        return out
 
 
 def as_torch(value: Array) -> torch.Tensor:

@@ -1,16 +1,16 @@
-"""The continuous-batching decode loop.
+"""The continuous-batching decode loop: Propose, Verify, Reconcile over buffers sized once.
 
 One `step()`:
-  admit    : queued requests that fit (slots, token budget) are prefilled in one padded target
-             call; their first token (the anchor) is sampled from the prefill logits
-  draft    : one batched drafter forward for all R active requests (new context rows padded)
-  heads    : the sequential head, slot by slot, each request sampling from its own stream
-  schedule : lengths ℓ_r (Algorithm 1, fixed, threshold or off)
-  verify   : one target forward over [R, 1 + max ℓ] (padded; masks hide padding), then the
-             acceptance rule per request
-  commit   : accepted KV rows written at each request's own length (rollback = not writing
-             the rest), context features queued for the drafter; finished requests leave and
-             free their slot between steps
+  admit     queued requests that fit (slots, token budget) are prefilled in one target call
+            (`StepBatch.prompts`); their first token (the anchor) is sampled from the prefill logits
+  propose   the drafter backbone over every request's new context rows and its block, then the
+            heads (`DrafterRunner`), unless the drafting gate judges drafting cannot pay
+  schedule  lengths ℓ_r (`StepScheduler`: Algorithm 1, fixed, threshold, off, ...)
+  verify    one target call over `StepBatch.chains` (`TargetRunner`), the acceptance rule for all
+            rows at once (`verify_chains`)
+  reconcile the accepted KV entries are committed at each request's own length (rollback = not
+            counting the rest), context features are queued for the drafter, finished requests
+            leave and free their slot
 Semantics per request are exactly `reference_decoder.speculative_generate`'s.
 
 Memory stays bounded in a long-lived server: finished results wait in `finished` only until
@@ -23,24 +23,25 @@ import itertools
 import time
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
-from dspark.export import contract as C
-
-from .backend import Array, Backend, as_torch
+from .backend import Backend
+from .chain_verifier import verify_chains
 from .cost_model import StepCost, StepCostModel
+from .drafter_runner import DrafterRunner
 from .drafting_gate import DraftingGate, SplitStepCost
 from .kv_cache import Admission, Capacity, SlotCache
 from .model_info import ModelInfo
 from .monitor import Monitor
 from .prefix_scheduler import Decision, SchedulerConfig, StepScheduler
-from .proposer import DraftBlock, propose_rows
-from .rejection import verify_chain
 from .requests import find_stop, stop_set, validate_request
 from .sampling import sample_rows
 from .stats import EngineStats, RequestResult, StepRecord
+from .step_batch import StepBatch
+from .target_runner import TargetRunner, kv_mode_for
 
 
 @dataclass
@@ -53,7 +54,7 @@ class _Active:
     start: int = 0  # anchor position = committed target KV length
     anchor: int = 0
     scanned: int = 0  # output tokens already searched for a stop token
-    pending_context: torch.Tensor | None = None  # [n, F] features of positions [ctx_len, start)
+    pending: list[np.ndarray] = field(default_factory=list)  # [n, F] context rows the drafter has not seen
 
 
 def _phase(seconds: dict[str, float], name: str, begin: float) -> float:
@@ -62,18 +63,12 @@ def _phase(seconds: dict[str, float], name: str, begin: float) -> float:
     return now
 
 
-KV_MODES = ("concat", "static")
-DEFAULT_KV_MODE = "concat"  # "static" pays off at long pasts and large batches (runtime.benchmark)
-
-
 class BatchEngine:
     """Continuous batching over a `Backend` with the export contract's graphs.
 
-    kv_mode `concat` feeds each step's past as [R, kvh, max start, hd] (a view here, a copy
-    for backends that need contiguous inputs) and the graph returns past ++ new; `static` binds
-    the slot buffers themselves ([R, kvh, max_seq_len, hd], contiguous, never copied) to the
-    `target_static` graph, which returns only the new rows. Either way only the accepted rows
-    are written back, at each request's own length.
+    `kv_mode` picks the target graph and how its keys/values are held (`target_runner`): `fused`
+    (in place, the default wherever the export has the fused graph), `static` or `concat`; None
+    takes the best the backend has. Only accepted entries are ever counted as committed.
     """
 
     def __init__(
@@ -85,15 +80,10 @@ class BatchEngine:
         scheduler: SchedulerConfig,
         cost_model: StepCost | None = None,
         monitor: Monitor | None = None,
-        kv_mode: str = DEFAULT_KV_MODE,
+        kv_mode: str | None = None,
         step_history: int | None = 1024,
     ) -> None:
-        if kv_mode not in KV_MODES:
-            raise ValueError(f"kv_mode '{kv_mode}' is unknown; choose one of {KV_MODES}")
-        graph = C.TARGET_STATIC if kv_mode == "static" else C.TARGET
-        if graph not in backend.specs:
-            raise ValueError(f"kv_mode '{kv_mode}' needs the '{graph}' graph, which this backend lacks")
-        self.kv_mode, self._target_graph = kv_mode, graph
+        self.kv_mode = kv_mode_for(backend, kv_mode)
         self.backend, self.info, self.scheduler = backend.open(), info, scheduler  # its owner closes it
         self.cost_model, self.monitor = cost_model, monitor
         self.planner = StepScheduler(scheduler)
@@ -103,6 +93,8 @@ class BatchEngine:
         slots, length = capacity.max_requests, capacity.max_seq_len
         self.target_kv = SlotCache(info.target_cache, slots, length)
         self.drafter_kv = SlotCache(info.drafter_cache, slots, length)
+        self.target = TargetRunner(backend, info, self.target_kv, self.kv_mode, max_width=info.block_size + 1)
+        self.drafter = DrafterRunner(backend, info, self.drafter_kv)
         self.queue: deque[_Active] = deque()
         self.active: list[_Active] = []  # row r of both caches belongs to active[r]
         self.finished: dict[int, RequestResult] = {}  # until handed off by take_finished / take_result
@@ -184,37 +176,48 @@ class BatchEngine:
         if not self.active:
             self._step += 1
             return None
-        rows = len(self.active)
+        rows, active = len(self.active), self.active
+        anchors = np.fromiter((a.anchor for a in active), np.int64, rows)
+        starts = np.fromiter((a.start for a in active), np.int64, rows)
+        temperatures = [a.temperature for a in active]
+        generators = [a.generator for a in active]
         block = None
         drafting = self.scheduler.needs_drafts and (self.gate is None or self.gate.should_draft(rows))
         if drafting:
-            hidden, base_logits = self._draft()
+            hidden, base_logits = self.drafter.draft(anchors, starts, [a.pending for a in active])
+            for a in active:
+                a.pending = []
             begin = _phase(seconds, "draft", begin)
-            block = self._propose(hidden, base_logits)
+            block = self.drafter.propose(hidden, base_logits, anchors, temperatures, generators)
             begin = _phase(seconds, "heads", begin)
+        confidence = None if block is None or block.confidence_logits is None else torch.as_tensor(
+            block.confidence_logits)
         if drafting or not self.scheduler.needs_drafts:
-            step_seconds = self.cost_model.seconds if self.cost_model else None
             decision = self.planner.decide(requests=rows, block_size=self.info.block_size,
-                                confidence_logits=None if block is None else block.confidence_logits,
-                                step_seconds=step_seconds)
+                                           confidence_logits=confidence,
+                                           step_seconds=self.cost_model.seconds if self.cost_model else None)
         else:
             decision = Decision((0,) * rows, None, None, 0)
         begin = _phase(seconds, "schedule", begin)
-        accepted, padded = self._verify(decision.lengths, block, seconds, begin)
-        tokens = sum(1 + k for k in decision.lengths)
+        batch = StepBatch.chains(anchors, None if block is None else np.asarray(block.tokens),
+                                 np.asarray(decision.lengths, dtype=np.int64), starts)
+        out = self.target.forward(batch)
+        begin = _phase(seconds, "verify", begin)
+        accepted = self._reconcile(batch, out, block, temperatures, generators)
+        _phase(seconds, "commit", begin)
         if self.gate is not None:
             self.gate.record(drafted=drafting, requests=rows, expected_accepts=decision.expected_accepts,
-                             verified_tokens=tokens)
+                             verified_tokens=batch.tokens)
         load = self.monitor.sample() if self.monitor else None
         record = StepRecord(
             step=self._step, requests=rows, admitted_new=len(new), lengths=list(decision.lengths),
-            verified_tokens=tokens, padded_tokens=padded, acceptance_lengths=accepted,
+            verified_tokens=batch.tokens, padded_tokens=batch.padded_tokens, acceptance_lengths=accepted,
             expected_accepts=decision.expected_accepts,
-            predicted_seconds=self.cost_model.seconds(rows, tokens) if self.cost_model else None,
+            predicted_seconds=self.cost_model.seconds(rows, batch.tokens) if self.cost_model else None,
             seconds=seconds,
             cpu_percent=None if load is None else load.cpu_percent,
             gpu_percent=None if load is None else load.gpu_percent,
-            confidence_logits=None if block is None else block.confidence_logits,
+            confidence_logits=None if confidence is None else confidence.clone(),
             drafted=drafting,
         )
         self.stats.record(record)
@@ -224,9 +227,6 @@ class BatchEngine:
         self._retire()
         self._step += 1
         return record
-
-    def _run(self, graph: str, feeds: dict[str, Array]) -> dict[str, torch.Tensor]:
-        return {name: as_torch(value) for name, value in self.backend.run(graph, feeds).items()}
 
     def _admit(self) -> list[_Active]:
         new = []
@@ -243,135 +243,45 @@ class BatchEngine:
 
     def _prefill(self, new: list[_Active]) -> None:
         first_row = len(self.active)
-        lengths = [len(a.result.prompt_ids) for a in new]
-        width = max(lengths)
-        ids = torch.zeros(len(new), width, dtype=torch.int64)
-        for r, a in enumerate(new):
-            ids[r, : lengths[r]] = torch.tensor(a.result.prompt_ids)
-        valid = torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]  # [P, width]
-        causal = torch.ones(width, width, dtype=torch.bool).tril()
-        new_mask = causal[None] & valid[:, None, :]  # [P, width, width]
+        batch = StepBatch.prompts([a.result.prompt_ids for a in new])
         for r in range(len(new)):
             self.target_kv.clear(first_row + r)
             self.drafter_kv.clear(first_row + r)
-        starts = torch.zeros(len(new), dtype=torch.int64)
-        out, present, offset = self._target(first_row, ids, starts, torch.arange(width).expand(len(new), -1),
-                                            new_mask)
-        self.target_kv.write(present, source_offset=offset, counts=lengths, first_row=first_row)
-        last = out["logits"][torch.arange(len(new)), torch.tensor(lengths) - 1]  # [P, V]
-        anchors = sample_rows(last, [a.temperature for a in new], [a.generator for a in new])
+        out = self.target.forward(batch, first_row)
+        self.target.commit(batch.counts, first_row)
+        rows = np.arange(len(new))
+        last = torch.from_numpy(np.ascontiguousarray(out.logits[rows, batch.counts - 1]))  # [P, V]
+        anchors = sample_rows(last, [a.temperature for a in new], [a.generator for a in new]).tolist()
+        context = batch.gather(out.context_features, batch.counts)
         for r, a in enumerate(new):
-            a.start, a.anchor = lengths[r], int(anchors[r])
-            a.pending_context = out["context_features"][r, : lengths[r]]
+            a.start, a.anchor = int(batch.counts[r]), anchors[r]
+            a.pending = [context[batch.cu_counts[r] : batch.cu_counts[r + 1]]]
             a.result.tokens.append(a.anchor)
             self.active.append(a)
 
-    def _target(
-        self,
-        first_row: int,
-        ids: torch.Tensor,  # [R, T]
-        starts: torch.Tensor,  # [R] committed KV length of each row
-        positions: torch.Tensor,  # [R, T]
-        new_mask: torch.Tensor,  # [R, T, T] bool: which new tokens each new token sees
-    ) -> tuple[dict[str, torch.Tensor], list[tuple[torch.Tensor, ...]], int]:
-        """One target call on slot rows first_row.. -> outputs, new KV rows source, their column."""
-        rows = ids.shape[0]
-        layers = self.info.target_cache.layers
-        if self.kv_mode == "static":
-            cache, prefix, offset = self.target_kv.past(first_row, rows), "cache", 0
-        else:
-            offset = int(starts.max())
-            cache, prefix = self.target_kv.past(first_row, rows, offset), "past_key_values"
-        cols = torch.arange(cache[0][0].shape[2])
-        past_mask = (cols[None, :] < starts[:, None])[:, None, :].expand(-1, ids.shape[1], -1)
-        feeds = {"input_ids": ids, "position_ids": positions.contiguous(),
-                 "attention_mask": torch.cat((past_mask, new_mask), dim=2)[:, None].contiguous()}
-        feeds.update(_kv_feeds(prefix, cache))
-        out = self._run(self._target_graph, feeds)
-        present = _kv_outputs(out, "new" if self.kv_mode == "static" else "present", layers)
-        return out, present, offset
-
-    def _draft(self) -> tuple[torch.Tensor, torch.Tensor]:
-        rows, gamma = len(self.active), self.info.block_size
-        cached = self.drafter_kv.lengths[:rows]
-        pending = [a.pending_context.shape[0] for a in self.active]
-        past, ctx = max(cached), max(pending)
-        features = torch.zeros(rows, ctx, self.info.context_feature_size)
-        for r, a in enumerate(self.active):
-            features[r, : pending[r]] = a.pending_context
-        starts = torch.tensor([a.start for a in self.active])
-        cols = torch.arange(past + ctx + gamma)[None, :]
-        visible = ((cols < torch.tensor(cached)[:, None])
-                   | ((cols >= past) & (cols < past + torch.tensor(pending)[:, None]))
-                   | (cols >= past + ctx))  # [R, keys]
-        out = self._run(C.BACKBONE, {
-            "block_ids": torch.cat((torch.tensor([[a.anchor] for a in self.active]),
-                                    torch.full((rows, gamma - 1), self.info.mask_token_id)), dim=1),
-            "block_position_ids": starts[:, None] + torch.arange(gamma),
-            "context_features": features,
-            "context_position_ids": torch.tensor(cached)[:, None] + torch.arange(ctx),
-            "attention_mask": visible[:, None, None, :].expand(-1, 1, gamma, -1).contiguous(),
-            **_kv_feeds("past_context", self.drafter_kv.past(0, rows, past)),
-        })
-        present = _kv_outputs(out, "present_context", self.info.drafter_cache.layers)
-        self.drafter_kv.write(present, source_offset=past, counts=pending)
-        for a in self.active:
-            a.pending_context = None
-        return out["block_hidden"], out.get("base_logits")
-
-    def _propose(self, hidden: torch.Tensor, base_logits: torch.Tensor | None) -> DraftBlock:
-        anchors = torch.tensor([a.anchor for a in self.active])
-        temperatures = [a.temperature for a in self.active]
-        if self.info.has_heads and all(t == 0.0 for t in temperatures):
-            feeds = {"block_hidden": hidden, "anchor_ids": anchors}
-            if self.info.lm_head_in_backbone:
-                feeds["base_logits"] = base_logits
-            out = self._run(C.HEAD_GREEDY, feeds)
-            return DraftBlock(out["draft_ids"], out["logits"], out.get("confidence_logits"))
-        return propose_rows(
-            (lambda feeds: self._run(C.HEAD_STEP, feeds)) if self.info.has_heads else None,
-            hidden=hidden, base_logits=base_logits, anchors=anchors,
-            feed_base_logits=self.info.lm_head_in_backbone, state_size=self.info.head_state_size,
-            temperatures=temperatures, generators=[a.generator for a in self.active],
-        )
-
-    def _verify(
-        self, lengths: Sequence[int], block: DraftBlock | None, seconds: dict[str, float], begin: float
-    ) -> tuple[list[int], int]:
-        rows, width = len(self.active), 1 + max(lengths)
-        ids = torch.zeros(rows, width, dtype=torch.int64)
-        ids[:, 0] = torch.tensor([a.anchor for a in self.active])
-        if block is not None:
-            for r, k in enumerate(lengths):
-                ids[r, 1 : 1 + k] = block.tokens[r, :k]
-        starts = torch.tensor([a.start for a in self.active])
-        col = torch.arange(width)
-        n_valid = torch.tensor(lengths)[:, None, None] + 1
-        new_mask = (col[None, None, :] <= col[None, :, None]) & (col[None, None, :] < n_valid)  # [R, T, T]
-        out, present, offset = self._target(0, ids, starts, starts[:, None] + col, new_mask)
-        begin = _phase(seconds, "verify", begin)
-        accepted = []
-        for r, (a, k) in enumerate(zip(self.active, lengths, strict=True)):
-            verdict = verify_chain(
-                target_logits=out["logits"][r, : k + 1],
-                draft_tokens=ids[r, 1 : 1 + k],
-                draft_logits=block.logits[r, :k] if k else out["logits"][r, :0],
-                temperature=a.temperature, generator=a.generator,
-            )
-            n = verdict.accepted_drafts
-            accepted.append(n + 1)
-            if self.scheduler.needs_drafts:  # rows the drafter has not seen yet (several if it skipped)
-                new_context = out["context_features"][r, : n + 1]
-                a.pending_context = (new_context if a.pending_context is None
-                                     else torch.cat((a.pending_context, new_context)))
-            a.result.tokens += [*ids[r, 1 : 1 + n].tolist(), verdict.bonus]
-            a.result.acceptance_lengths.append(n + 1)
+    def _reconcile(self, batch: StepBatch, out, block, temperatures: list[float],
+                   generators: list[torch.Generator | None]) -> list[int]:
+        """Accept, commit the accepted KV entries, hand the new context rows to the drafter, and
+        append each request's tokens."""
+        drafts, bonus = verify_chains(batch, out.logits, None if block is None else block.logits,
+                                      temperatures, generators)
+        kept = drafts + 1
+        self.target.commit(kept)
+        if self.scheduler.needs_drafts:  # rows the drafter has not seen yet (several steps' if it skipped)
+            context = batch.gather(out.context_features, kept)
+            cu = np.concatenate(([0], np.cumsum(kept)))
+            for r, a in enumerate(self.active):
+                a.pending.append(context[cu[r] : cu[r + 1]])
+        ids, kept_list, bonus_list = batch.ids.tolist(), kept.tolist(), bonus.tolist()
+        lengths = (batch.counts - 1).tolist()
+        for a, row, n, b, k in zip(self.active, ids, kept_list, bonus_list, lengths, strict=True):
+            a.result.tokens += row[1:n]
+            a.result.tokens.append(b)
+            a.result.acceptance_lengths.append(n)
             a.result.proposal_lengths.append(k)
-            a.start += n + 1
-            a.anchor = verdict.bonus
-        self.target_kv.write(present, source_offset=offset, counts=accepted)
-        _phase(seconds, "commit", begin)
-        return accepted, rows * width
+            a.start += n
+            a.anchor = b
+        return kept_list
 
     def _retire(self) -> None:
         """Finished requests leave; the last active row moves into each freed row."""
@@ -418,13 +328,3 @@ class BatchEngine:
                 self._leave(row, "cancelled")
                 return True
         return False
-
-
-def _kv_feeds(prefix: str, cache: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    tensors = [t for kv in cache for t in kv]
-    return dict(zip(C.kv_names(prefix, len(cache)), tensors, strict=True))
-
-
-def _kv_outputs(out: dict[str, torch.Tensor], prefix: str, layers: int) -> list[tuple[torch.Tensor, ...]]:
-    names = C.kv_names(prefix, layers)
-    return [(out[names[2 * i]], out[names[2 * i + 1]]) for i in range(layers)]

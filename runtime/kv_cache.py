@@ -10,9 +10,13 @@ length against `max_tokens`; a request that does not fit waits in the queue.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
+
+Array = np.ndarray | torch.Tensor
 
 
 class CapacityError(ValueError):
@@ -27,18 +31,20 @@ class CacheShape:
 
 
 class SlotCache:
-    """Per-layer key/value buffers [slots, kvh, max_len, hd] plus per-row committed lengths."""
+    """Per-layer key/value buffers [slots, kvh, max_len, hd] (numpy, allocated once) plus each
+    row's committed length. `kv` lists them in the export contract's order (key 0, value 0, ...)."""
 
-    def __init__(self, shape: CacheShape, slots: int, max_len: int, dtype: torch.dtype = torch.float32):
+    def __init__(self, shape: CacheShape, slots: int, max_len: int, dtype: np.dtype | str = np.float32):
         full = (slots, shape.kv_heads, max_len, shape.head_dim)
-        self.keys = [torch.zeros(full, dtype=dtype) for _ in range(shape.layers)]
-        self.values = [torch.zeros(full, dtype=dtype) for _ in range(shape.layers)]
-        self.lengths = [0] * slots
+        self.keys = [np.zeros(full, dtype=dtype) for _ in range(shape.layers)]
+        self.values = [np.zeros(full, dtype=dtype) for _ in range(shape.layers)]
+        self.kv = [buf for pair in zip(self.keys, self.values, strict=True) for buf in pair]
+        self.lengths = np.zeros(slots, dtype=np.int64)
         self.max_len = max_len
 
-    def past(self, first: int, rows: int, upto: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def past(self, first: int, rows: int, upto: int | None = None) -> list[tuple[np.ndarray, np.ndarray]]:
         """Views [rows, kvh, upto, hd] per layer of slot rows first..first+rows-1, padded to `upto`
-        (None: the whole slot, a contiguous view — what a static-cache graph binds)."""
+        (None: the whole slot, a contiguous view — what static-cache and fused graphs bind)."""
         end = first + rows
         if upto is None:
             return [(k[first:end], v[first:end]) for k, v in zip(self.keys, self.values, strict=True)]
@@ -47,33 +53,39 @@ class SlotCache:
 
     def write(
         self,
-        present: list[tuple[torch.Tensor, torch.Tensor]],  # per layer [rows, kvh, S, hd]
+        present: Sequence[tuple[Array, Array]],  # per layer [rows, kvh, S, hd]
         *,
         source_offset: int,  # column of present where each row's new entries start
-        counts: list[int],  # new entries to commit per row of present
+        counts: Sequence[int] | np.ndarray,  # new entries to commit per row of present
         first_row: int = 0,  # slot row of present's row 0
     ) -> None:
         """Commit `counts[r]` entries of present row r at slot row first_row + r, from its current
-        length on; advance the length."""
-        rows = [r for r, n in enumerate(counts) for _ in range(n)]
-        if not rows:
+        length on; advance the length. One gather and one scatter per buffer, whatever the rows."""
+        counts = np.asarray(counts, dtype=np.int64)
+        rows = np.repeat(np.arange(len(counts)), counts)
+        if not rows.size:
             return
-        src = [source_offset + i for n in counts for i in range(n)]
-        dst = [self.lengths[first_row + r] + i for r, n in enumerate(counts) for i in range(n)]
-        if max(dst) >= self.max_len:
-            raise CapacityError(f"KV slot overflow: position {max(dst)} >= slot length {self.max_len}")
-        row_idx, src_idx, dst_idx = (torch.tensor(x) for x in (rows, src, dst))
-        slot_idx = row_idx + first_row
+        within = np.arange(rows.size) - np.repeat(np.cumsum(counts) - counts, counts)  # 0.. per row
+        slots = rows + first_row
+        dst = self.lengths[slots] + within
+        if dst.max() >= self.max_len:
+            raise CapacityError(f"KV slot overflow: position {int(dst.max())} >= slot length {self.max_len}")
+        src = source_offset + within
         for (k, v), buf_k, buf_v in zip(present, self.keys, self.values, strict=True):
-            buf_k[slot_idx, :, dst_idx] = torch.as_tensor(k)[row_idx, :, src_idx]
-            buf_v[slot_idx, :, dst_idx] = torch.as_tensor(v)[row_idx, :, src_idx]
-        for r, n in enumerate(counts):
-            self.lengths[first_row + r] += n
+            buf_k[slots, :, dst] = np.asarray(k)[rows, :, src]
+            buf_v[slots, :, dst] = np.asarray(v)[rows, :, src]
+        self.advance(counts, first_row)
+
+    def advance(self, counts: Sequence[int] | np.ndarray, first_row: int = 0) -> None:
+        """Count `counts[r]` more committed entries in slot row first_row + r (a graph that writes
+        its keys and values in place has already put them there)."""
+        counts = np.asarray(counts, dtype=np.int64)
+        self.lengths[first_row : first_row + len(counts)] += counts
 
     def move(self, source: int, dest: int) -> None:
         """Copy row `source`'s committed prefix into row `dest` (compaction on departure)."""
-        n = self.lengths[source]
-        for buf in (*self.keys, *self.values):
+        n = int(self.lengths[source])
+        for buf in self.kv:
             buf[dest, :, :n] = buf[source, :, :n]
         self.lengths[dest] = n
         self.lengths[source] = 0

@@ -96,3 +96,24 @@ class OrtBackend(Backend):
             binding.bind_output(name, "cpu")
         session.run_with_iobinding(binding)
         return dict(zip(names, binding.copy_outputs_to_cpu(), strict=True))
+
+    def _run_into(self, graph: str, feeds: Mapping[str, np.ndarray], outputs: Mapping[str, np.ndarray]) -> None:
+        session = self._sessions[graph]
+        binding = session.io_binding()
+        values = {}  # OrtValues over the arrays' own memory: an array fed and output is one buffer
+        for name in self._specs[graph].input_names:
+            array = feeds[name]
+            if not array.flags.c_contiguous:  # a silent copy would break buffers updated in place
+                raise ValueError(f"graph '{graph}': feed '{name}' must be C-contiguous for run_into")
+            values[id(array)] = value = ort.OrtValue.ortvalue_from_numpy(array)
+            binding.bind_ortvalue_input(name, value)
+        for name in self._specs[graph].output_names:
+            array = outputs.get(name)
+            if array is None:
+                binding.bind_output(name, "cpu")
+                continue
+            if not array.flags.c_contiguous:
+                raise ValueError(f"graph '{graph}': output array for '{name}' must be C-contiguous")
+            value = values.get(id(array)) or ort.OrtValue.ortvalue_from_numpy(array)
+            binding.bind_ortvalue_output(name, value)
+        session.run_with_iobinding(binding)

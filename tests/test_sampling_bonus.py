@@ -15,7 +15,7 @@ import pytest
 import torch
 from sampling_law import engine_runs, exact_law_of_tokens_2_and_3, pooled_pvalue, small_pair
 
-from dspark.runtime import batch_loop, rejection
+from dspark.runtime import chain_verifier, rejection
 from dspark.runtime.rejection import ChainVerdict
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -88,6 +88,6 @@ def test_engine_bonus_after_an_accepted_draft_follows_the_target(monkeypatch):
     assert full > 0.3 * 1536  # the bonus-after-full-block path is exercised often
     assert pooled_pvalue(counts, law) > 1e-3
 
-    monkeypatch.setattr(batch_loop, "verify_chain", bonus_from(lambda p, q: q[-1]))
+    monkeypatch.setattr(chain_verifier, "verify_chain", bonus_from(lambda p, q: q[-1]))
     wrong, _ = engine_runs(target, drafter, temperature=1.0, requests=1536)
     assert pooled_pvalue(wrong, law) < 1e-6

@@ -161,11 +161,11 @@ def test_gathered_tree_kv_commits_the_accepted_paths_through_the_slot_cache() ->
     offset, paths, past = 6, [[0, 2, 5], [0, 1]], [5, 3]
     present = [(torch.randn(2, 2, offset + 7, 4), torch.randn(2, 2, offset + 7, 4)) for _ in range(2)]
     cache = SlotCache(CacheShape(layers=2, kv_heads=2, head_dim=4), slots=2, max_len=16)
-    cache.lengths = list(past)
+    cache.lengths[:] = past
     cache.write(gather_accepted_kv(present, offset, paths), source_offset=offset, counts=[len(p) for p in paths])
-    assert cache.lengths == [8, 5]
+    assert cache.lengths.tolist() == [8, 5]
     for layer, (k, v) in enumerate(present):
         for r, path in enumerate(paths):
             for i, node in enumerate(path):
-                assert torch.equal(cache.keys[layer][r, :, past[r] + i], k[r, :, offset + node])
-                assert torch.equal(cache.values[layer][r, :, past[r] + i], v[r, :, offset + node])
+                assert torch.equal(torch.from_numpy(cache.keys[layer][r, :, past[r] + i]), k[r, :, offset + node])
+                assert torch.equal(torch.from_numpy(cache.values[layer][r, :, past[r] + i]), v[r, :, offset + node])

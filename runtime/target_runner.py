@@ -1,0 +1,128 @@
+"""The target's graph calls over the slot cache: one forward for prefill or verification, then a
+commit of the accepted entries.
+
+Three ways to hold the target's keys and values, one per graph flavour (engine.json's `kv_mode`):
+
+    fused   `target_fused.onnx` (GroupQueryAttention): the slot rows themselves are bound as past
+            AND present, so the call appends its keys/values in place at each row's own length and
+            attends over exactly its valid entries; logits and features land in buffers made once.
+            Commit = advance the lengths. Nothing is copied.
+    static  `target_static.onnx`: the slot rows are bound whole as the cache (no copy), the graph
+            attends over the whole capacity under a mask and returns only the new rows, which the
+            commit writes at each row's length.
+    concat  `target.onnx`: the past is fed as [R, kvh, max start, hd] (a copy of the slot prefix),
+            the graph returns past ++ new, the commit writes the accepted new rows.
+
+Rolling back rejected tokens is the same in all three: their entries are not counted, and the next
+call overwrites them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from dspark.export import contract as C
+
+from .backend import Backend
+from .kv_cache import CapacityError, SlotCache
+from .model_info import ModelInfo
+from .step_batch import StepBatch
+
+KV_MODES = ("fused", "static", "concat")
+GRAPHS = {"fused": C.TARGET_FUSED, "static": C.TARGET_STATIC, "concat": C.TARGET}
+
+
+@dataclass
+class TargetOutput:
+    logits: np.ndarray  # [R, W, V]
+    context_features: np.ndarray  # [R, W, F]
+
+
+def kv_mode_for(backend: Backend, requested: str | None) -> str:
+    """`requested`, checked against the graphs the backend has; None = `fused` where the backend has
+    it, else `concat` (`static` attends over the whole capacity: it only pays at long pasts and large
+    batches, so it is never picked unasked)."""
+    if requested is None:
+        return "fused" if GRAPHS["fused"] in backend.specs else "concat"
+    if requested not in KV_MODES:
+        raise ValueError(f"kv_mode '{requested}' is unknown; choose one of {KV_MODES}")
+    if GRAPHS[requested] not in backend.specs:
+        raise ValueError(f"kv_mode '{requested}' needs the '{GRAPHS[requested]}' graph, which this backend "
+                         f"lacks (has {sorted(backend.specs)}); export with --flavours plain,fused for 'fused'")
+    return requested
+
+
+class TargetRunner:
+    def __init__(self, backend: Backend, info: ModelInfo, kv: SlotCache, kv_mode: str, *, max_width: int) -> None:
+        self.backend, self.kv, self.kv_mode = backend, kv, kv_mode
+        self.graph = GRAPHS[kv_mode]
+        slots = kv.lengths.shape[0]
+        outputs = {t.name: t for t in backend.specs[self.graph].outputs}
+        self._vocab, self._features = outputs["logits"].dims[2], outputs["context_features"].dims[2]
+        dtype = kv.keys[0].dtype
+        # flat buffers: the first R·W·V elements are a contiguous [R, W, V] for any R, W that fit
+        self._logits = np.empty(slots * max_width * self._vocab, dtype)
+        self._feature_buf = np.empty(slots * max_width * self._features, dtype)
+        self._seqlens = np.zeros(slots, np.int32)
+        self._total = np.zeros((), np.int32)
+        self._new: tuple[list[tuple[np.ndarray, np.ndarray]], int, int] | None = None  # plain graphs' present
+
+    def forward(self, batch: StepBatch, first_row: int = 0) -> TargetOutput:
+        """Run `batch` on slot rows first_row .. first_row + R - 1 (their committed lengths must be
+        batch.starts)."""
+        rows, width = batch.rows, batch.width
+        if int(batch.starts.max()) + width > self.kv.max_len:
+            raise CapacityError(f"KV slot overflow: {int(batch.starts.max())} + {width} > "
+                                f"slot length {self.kv.max_len}")
+        if self.kv_mode == "fused":
+            return self._fused(batch, first_row)
+        feeds = {"input_ids": batch.ids, "position_ids": batch.positions, "attention_mask": None}
+        layers = self.kv.past(first_row, rows, None if self.kv_mode == "static" else int(batch.starts.max()))
+        if self.kv_mode == "static":
+            cache_cols = self.kv.max_len
+            prefix, out_prefix, offset = "cache", "new", 0
+        else:
+            cache_cols = int(batch.starts.max())
+            prefix, out_prefix, offset = "past_key_values", "present", cache_cols
+        mask = np.zeros((rows, 1, width, cache_cols + width), dtype=bool)
+        plain = batch.attention_mask()  # [R, 1, W, max start + W]
+        past = int(batch.starts.max())
+        mask[..., :past] = plain[..., :past]
+        mask[..., cache_cols:] = plain[..., past:]
+        feeds["attention_mask"] = mask
+        feeds.update(zip(C.kv_names(prefix, len(layers)), (t for kv in layers for t in kv), strict=True))
+        out = self.backend.run(self.graph, feeds)
+        names = C.kv_names(out_prefix, len(layers))
+        self._new = ([(out[names[2 * i]], out[names[2 * i + 1]]) for i in range(len(layers))], offset, first_row)
+        return TargetOutput(np.asarray(out["logits"]), np.asarray(out["context_features"]))
+
+    def _fused(self, batch: StepBatch, first_row: int) -> TargetOutput:
+        rows, width = batch.rows, batch.width
+        end = first_row + rows
+        if rows * width * self._vocab > self._logits.size:
+            logits = np.empty((rows, width, self._vocab), self._logits.dtype)  # a long prefill
+            features = np.empty((rows, width, self._features), self._feature_buf.dtype)
+        else:
+            logits = self._logits[: rows * width * self._vocab].reshape(rows, width, self._vocab)
+            features = self._feature_buf[: rows * width * self._features].reshape(rows, width, self._features)
+        seqlens = self._seqlens[:rows]
+        seqlens[:] = batch.starts + width - 1
+        self._total[...] = int(batch.starts.max()) + width
+        kv = [buf[first_row:end] for buf in self.kv.kv]
+        feeds = {"input_ids": batch.ids, "seqlens_k": seqlens, "total_sequence_length": self._total}
+        feeds.update(zip(C.kv_names("past_key_values", len(kv) // 2), kv, strict=True))
+        outputs = {"logits": logits, "context_features": features}
+        outputs.update(zip(C.kv_names("present", len(kv) // 2), kv, strict=True))
+        self.backend.run_into(self.graph, feeds, outputs)
+        return TargetOutput(logits, features)
+
+    def commit(self, counts: np.ndarray, first_row: int = 0) -> None:
+        """Keep the first counts[r] new entries of each row of the last forward."""
+        if self.kv_mode == "fused":
+            self.kv.advance(counts, first_row)
+            return
+        present, offset, row = self._new
+        self.kv.write(present, source_offset=offset, counts=counts, first_row=row)
+        self._new = None
