@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from dspark.export import contract as C
 from dspark.export.artifacts import sha256
 from dspark.export.engine_dir import (
     ENGINE_JSON,
@@ -113,6 +114,7 @@ def build_engine(export_dir: str | Path, out_dir: str | Path, options: BuildOpti
                                                              limits=limits, progress=progress)
     else:
         raise BuildError(f"--backend {options.backend!r} is not one of onnxruntime, tensorrt")
+    manifest["kv_mode"] = "fused" if C.TARGET_FUSED in manifest["graphs"] else "concat"
     manifest["sps"] = _profile(out_dir, manifest, export, options, progress)
     manifest["calibration"] = None
     manifest["built_with"] = _built_with()

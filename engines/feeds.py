@@ -42,7 +42,10 @@ def random_feeds(
     feeds = {}
     for t in spec.inputs:
         shape = resolve(t.dims, sizes)
-        if t.name.endswith("position_ids"):
+        if t.name in ("seqlens_k", "total_sequence_length"):  # fused target: every row at `past`
+            total = sizes["past"] + sizes["tokens"]
+            feeds[t.name] = np.full(shape, total - 1 if t.name == "seqlens_k" else total, dtype=np.int32)
+        elif t.name.endswith("position_ids"):
             start = sizes.get("context_past", 0) if t.name.startswith("context") else sizes.get("past", 0)
             feeds[t.name] = np.broadcast_to(np.arange(start, start + shape[-1]), shape).astype(np.int64)
         elif t.dtype == "int64":

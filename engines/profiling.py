@@ -40,6 +40,8 @@ def profile_batches(max_batch: int) -> tuple[int, ...]:
 def target_sizes(graph: str, batch: int, tokens: int, past: int) -> dict[str, int]:
     if graph == C.TARGET_STATIC:
         return {"batch": batch, "tokens": tokens, "capacity": past}
+    if graph == C.TARGET_FUSED:  # the shared past/present buffer holds the past and the new tokens
+        return {"batch": batch, "tokens": tokens, "past": past, "capacity": past + tokens}
     return {"batch": batch, "tokens": tokens, "past": past}
 
 
@@ -63,7 +65,7 @@ def measure_table(
     repeats: int = 5,
     progress: Callable[[str], None] | None = None,
 ) -> CostTable:
-    """One `CostTable` for `target_graph` (C.TARGET or C.TARGET_STATIC)."""
+    """One `CostTable` for `target_graph` (C.TARGET, C.TARGET_STATIC or C.TARGET_FUSED)."""
     verify = []
     for r in batches:
         row: list[float | None] = []
@@ -121,7 +123,7 @@ def profile_section(
         graph: measure_table(run, specs, target_graph=graph, vocab_size=vocab_size, block_size=block_size,
                              batches=batches, buckets=buckets, past=past, warmup=warmup, repeats=repeats,
                              progress=progress).to_dict()
-        for graph in (C.TARGET, C.TARGET_STATIC)
+        for graph in (C.TARGET, C.TARGET_STATIC, C.TARGET_FUSED)
         if graph in specs
     }
     return {

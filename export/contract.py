@@ -66,6 +66,8 @@ TARGET_FUSED_TREE = "target_fused_tree"
 BACKBONE = "drafter_backbone"
 HEAD_STEP = "drafter_head_step"
 HEAD_GREEDY = "drafter_head_greedy"
+# how the runtime holds the target's keys/values -> the target graph that mode drives
+KV_MODE_GRAPHS = {"fused": TARGET_FUSED, "static": TARGET_STATIC, "concat": TARGET}
 
 DTYPES = ("float32", "float16", "bfloat16")
 

@@ -4,6 +4,7 @@ SPS cost tables, STS temperatures, backend), bucket lookup, and `EngineDir`.
     engine = load_engine_dir("out/engine")  # ArtifactError naming the file and field when it is bad
     engine.backend                          # "onnxruntime" | "tensorrt": which runtime backend opens it
     engine.contract_dir                     # holds export.json (graph specs; ORT: the optimized files)
+    engine.kv_mode                          # "fused" | "concat" | "static": the target graph it drives
     engine.cost_model(kv_mode)              # CostTable: seconds(R, B) for the scheduler
     engine.bucket_for(tokens)               # index of the profile / bucket for a step's B tokens
     engine.confidence_temperatures          # STS temperatures (one per block slot) or None
@@ -20,6 +21,8 @@ SPS cost tables, STS temperatures, backend), bucket lookup, and `EngineDir`.
     session         ORT: {graph_optimization_level, intra_op_threads, inter_op_threads, execution_mode}
     tensorrt        TRT: {version, plugin_library, timing_cache, strongly_typed, profiles: {graph: [...]},
                     comparison: Polygraphy TRT-vs-ORT result}
+    kv_mode         optional, "fused" | "static" | "concat": the target graph the runtime drives by default
+                    (contract.KV_MODE_GRAPHS); absent in older engines: fused where the graphs have it
     sps             profiling.profile_section: {measured_at, past, warmup, repeats, statistic,
                     load_before, load_after, seconds, tables: {target graph: CostTable.to_dict()}}
     calibration     null or {temperatures [γ], ece_before [γ], ece_after [γ], ece_before_mean,
@@ -98,6 +101,10 @@ def validate(manifest: Any, where: str = ENGINE_JSON) -> dict[str, Any]:
         _fail(where, f"buckets must be strictly increasing positive integers, got {buckets!r}")
     if buckets[-1] > limits["max_batch_tokens"]:
         _fail(where, f"largest bucket {buckets[-1]} exceeds limits.max_batch_tokens {limits['max_batch_tokens']}")
+    kv_mode = manifest.get("kv_mode")
+    if kv_mode is not None and (kv_mode not in C.KV_MODE_GRAPHS or C.KV_MODE_GRAPHS[kv_mode] not in graphs):
+        _fail(where, f"kv_mode {kv_mode!r} must be one of {sorted(C.KV_MODE_GRAPHS)} and its graph must be "
+                     "in graphs")
     _validate_sps(manifest["sps"], where)
     if manifest["calibration"] is not None:
         _validate_calibration(manifest["calibration"], limits["verify_width"] - 1, where)
@@ -205,9 +212,17 @@ class EngineDir:
                                 f"(has {sorted(tables)})", "rebuild, or pick the kv mode it was built for")
         return CostTable.from_dict(tables[target_graph])
 
-    def cost_model(self, kv_mode: str = "concat") -> CostTable:
-        """The table for the runtime's kv_mode ('concat' → target, 'static' → target_static)."""
-        return self.cost_table(C.TARGET_STATIC if kv_mode == "static" else C.TARGET)
+    @property
+    def kv_mode(self) -> str:
+        """The target graph flavour the runtime drives unless told otherwise."""
+        recorded = self.manifest.get("kv_mode")
+        if recorded is not None:
+            return recorded
+        return "fused" if C.TARGET_FUSED in self.manifest["graphs"] else "concat"
+
+    def cost_model(self, kv_mode: str | None = None) -> CostTable:
+        """The table of the target graph `kv_mode` drives (None: the engine's own kv_mode)."""
+        return self.cost_table(C.KV_MODE_GRAPHS[kv_mode or self.kv_mode])
 
     @property
     def confidence_temperatures(self) -> tuple[float, ...] | None:

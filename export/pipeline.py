@@ -102,8 +102,10 @@ def graph_jobs(
 
 # "plain": the traced graphs every runtime path needs (always exported). "fused": also
 # `target_fused.onnx` and `target_fused_tree.onnx` (ONNX Runtime contrib ops, see fused_target.py),
-# each kept only if it passes parity.
+# each kept only if it passes parity. Both by default: the ONNX Runtime runtime drives the fused
+# target where it exists; TensorRT and other runtimes use the plain graphs.
 FLAVOURS = ("plain", "fused")
+DEFAULT_FLAVOURS = FLAVOURS
 
 
 def check_options(dtype: str, opset: int, flavours: Sequence[str] = ("plain",)) -> None:
@@ -129,11 +131,11 @@ def export_pair(
     check: bool = True,
     external_data_threshold: int = TWO_GB,
     show_progress: bool = False,
-    flavours: Sequence[str] = ("plain",),
+    flavours: Sequence[str] = DEFAULT_FLAVOURS,
 ) -> dict[str, Any]:
     """Export every graph of the pair into `out_dir` and write `export.json`; returns the manifest.
 
-    `flavours=("plain", "fused")` adds `target_fused.onnx` and `target_fused_tree.onnx` (ONNX Runtime
+    `flavours` "fused" (default) adds `target_fused.onnx` and `target_fused_tree.onnx` (ONNX Runtime
     fused ops), each kept only if the target fits it and, with `check`, it passes its parity sweep;
     otherwise it is left out and the reason recorded under `dropped_graphs`. Each graph entry records
     its `flavour`.

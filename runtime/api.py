@@ -94,6 +94,8 @@ class Runtime:
             return cls(backend, ModelInfo.from_manifest(backend.manifest), options, cost_model, text_dirs=(path,))
         engine = load_engine_dir(path)
         options = options or RuntimeOptions()
+        if options.kv_mode is None:
+            options = replace(options, kv_mode=engine.kv_mode)
         if cost_model is None:
             cost_model = engine.cost_model(options.kv_mode)
         if options.scheduler.confidence_temperatures is None and engine.confidence_temperatures:

@@ -30,8 +30,8 @@ from .kv_cache import CapacityError, SlotCache
 from .model_info import ModelInfo
 from .step_batch import StepBatch
 
-KV_MODES = ("fused", "static", "concat")
-GRAPHS = {"fused": C.TARGET_FUSED, "static": C.TARGET_STATIC, "concat": C.TARGET}
+GRAPHS = C.KV_MODE_GRAPHS
+KV_MODES = tuple(GRAPHS)
 
 
 @dataclass

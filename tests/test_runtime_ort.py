@@ -1,6 +1,7 @@
 """The ONNX Runtime backend on a real `dspark-export` of the golden pair: golden traces (ids and
-per-round accepted lengths, fixed γ = block size) and greedy equality with mid-flight arrivals,
-through both the concat and the in-place static-cache target graphs."""
+per-round accepted lengths, fixed γ = block size), greedy equality with mid-flight arrivals and
+sampling stream for stream against the PyTorch models, through every target graph: the fused one
+(keys/values appended in place), the static-cache one and the concat one."""
 
 from __future__ import annotations
 
@@ -36,7 +37,10 @@ def engine(backend, kv_mode, mode="fixed", capacity=None):
                   cost_model=StepCostModel(1e-3, 2e-4, 4e-4))
 
 
-@pytest.mark.parametrize("kv_mode", ["static", "concat"])
+KV_MODES = ["fused", "static", "concat"]
+
+
+@pytest.mark.parametrize("kv_mode", KV_MODES)
 def test_golden_traces_through_ort(exported, kv_mode):
     traces = load_json(golden_path(SET, "traces.json"))
     e = engine(exported, kv_mode)
@@ -47,9 +51,10 @@ def test_golden_traces_through_ort(exported, kv_mode):
         assert finished[request_id].acceptance_lengths == sample["acceptance_lengths"]
 
 
-def test_ort_greedy_equals_target_with_mid_flight_arrivals(exported):
+@pytest.mark.parametrize("kv_mode", KV_MODES)
+def test_ort_greedy_equals_target_with_mid_flight_arrivals(exported, kv_mode):
     target, _ = load_pair(golden_path(SET, "target"), golden_path(SET, "drafter"))
-    e = engine(exported, "static", mode="dspark", capacity=Capacity(2, 4096, 128))
+    e = engine(exported, kv_mode, mode="dspark", capacity=Capacity(2, 4096, 128))
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 500, (n,), generator=g).tolist() for n in (3, 21, 8, 40)]
     ids = []
@@ -59,6 +64,41 @@ def test_ort_greedy_equals_target_with_mid_flight_arrivals(exported):
     finished = e.run_until_done()
     for request_id, prompt in zip(ids, prompts, strict=True):
         assert finished[request_id].tokens == autoregressive_generate(target, prompt, max_new_tokens=24)
+
+
+def test_the_default_engine_drives_the_fused_target_and_keeps_kv_in_place(exported):
+    e = BatchEngine(exported, ModelInfo.from_manifest(exported.manifest), capacity=Capacity(2, 4096, 128),
+                    scheduler=SchedulerConfig("fixed"))
+    assert e.kv_mode == "fused"
+    before = {g: exported.times.count(g) for g in ("target", "target_fused")}
+    request = e.submit([5, 6, 7, 8, 9], max_new_tokens=20)
+    tokens = e.run_until_done()[request].tokens
+    assert exported.times.count("target") == before["target"]
+    assert exported.times.count("target_fused") > before["target_fused"]
+    # the slot's committed entries are what the target computes for prompt + output (minus the last token)
+    target, _ = load_pair(golden_path(SET, "target"), golden_path(SET, "drafter"))
+    assert tokens == autoregressive_generate(target, [5, 6, 7, 8, 9], max_new_tokens=20)
+
+
+@pytest.mark.parametrize("kv_mode", KV_MODES)
+def test_ort_sampling_follows_the_pytorch_engine_stream_for_stream(exported, kv_mode):
+    """Same seeds, fixed γ: every request draws from its own stream in the same order, so the ORT
+    engine samples what the PyTorch one does (logits agree to ~1e-5: a flip needs a uniform within
+    that of a boundary)."""
+    from dspark.runtime.torch_backend import TorchBackend
+
+    target, drafter = load_pair(golden_path(SET, "target"), golden_path(SET, "drafter"))
+    reference = BatchEngine(TorchBackend(target, drafter), ModelInfo.from_models(target, drafter),
+                            capacity=Capacity(4, 4096, 256), scheduler=SchedulerConfig("fixed"), kv_mode="concat")
+    ort_engine = engine(exported, kv_mode)
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 500, (n,), generator=g).tolist() for n in (4, 19, 9, 33)]
+    outputs = []
+    for e in (reference, ort_engine):
+        ids = [e.submit(p, max_new_tokens=40, temperature=0.8, seed=10 + i) for i, p in enumerate(prompts)]
+        finished = e.run_until_done()
+        outputs.append([finished[i].tokens for i in ids])
+    assert outputs[0] == outputs[1]
 
 
 def test_feeds_checked_against_export_metadata(exported):

@@ -11,7 +11,7 @@ import click
 
 from dspark.export.contract import DTYPES
 from dspark.export.lower import MAX_OPSET, MIN_OPSET
-from dspark.export.pipeline import DEFAULT_OPSET, export_pair
+from dspark.export.pipeline import DEFAULT_FLAVOURS, DEFAULT_OPSET, FLAVOURS, export_pair
 
 from .errors import OneLineErrors
 
@@ -32,10 +32,18 @@ _DIR = str  # checked by export_pair, whose CheckpointError names the folder and
     type=int,
     help=f"ONNX opset ({MIN_OPSET}..{MAX_OPSET}).",
 )
+@click.option(
+    "--flavours",
+    default=",".join(DEFAULT_FLAVOURS),
+    show_default=True,
+    help=f"Graph flavours, comma-separated, among {','.join(FLAVOURS)}: 'fused' adds the ONNX Runtime "
+    "fused-op target (GroupQueryAttention, KV in place) that the ORT runtime drives where present.",
+)
 @click.option("--no-check", is_flag=True, help="Skip the ONNX Runtime parity sweep.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def export(
-    target_dir: str, drafter_dir: str, out_dir: str, dtype: str, opset: int, no_check: bool, quiet: bool
+    target_dir: str, drafter_dir: str, out_dir: str, dtype: str, opset: int, flavours: str, no_check: bool,
+    quiet: bool,
 ) -> None:
     """Export the target, drafter backbone and heads of a DSpark pair to ONNX."""
     manifest = export_pair(
@@ -44,6 +52,7 @@ def export(
         out_dir,
         dtype=dtype,
         opset=opset,
+        flavours=tuple(f.strip() for f in flavours.split(",") if f.strip()),
         check=not no_check,
         show_progress=not quiet,
     )
