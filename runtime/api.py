@@ -19,7 +19,9 @@ Bad artifacts raise ArtifactError, malformed requests RequestError, both with on
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -79,6 +81,8 @@ class Runtime:
         self.monitor = Monitor()  # one sampling thread for the runtime's lifetime
         self.text_dirs = tuple(Path(d) for d in text_dirs)
         self._codec: TextCodec | None = None
+        self._engine: BatchEngine | None = None  # generate/stream reuse it: its buffers are sized once
+        self._engine_free = threading.Lock()
 
     @classmethod
     def load(cls, path: str | Path, options: RuntimeOptions | None = None, *,
@@ -133,6 +137,21 @@ class Runtime:
         return BatchEngine(self.backend, self.info, capacity=capacity, scheduler=o.scheduler,
                            cost_model=self.cost_model, monitor=self.monitor, kv_mode=o.kv_mode,
                            step_history=step_history)
+
+    @contextmanager
+    def _claimed_engine(self) -> Iterator[BatchEngine]:
+        """The runtime's own engine, fresh stats, for one call; a new engine while another call (a
+        stream not yet finished, another thread) holds it."""
+        if not self._engine_free.acquire(blocking=False):
+            yield self.engine()
+            return
+        try:
+            if self._engine is None or not self._engine.idle:
+                self._engine = self.engine()
+            self._engine.stats = EngineStats(history=self._engine.stats.steps.maxlen)
+            yield self._engine
+        finally:
+            self._engine_free.release()
 
     # -- text ---------------------------------------------------------------------------------
     @property
@@ -196,18 +215,18 @@ class Runtime:
             stop_ids, strings = self.split_stop(stop)
         else:
             batch, stop_ids, strings = _prompt_batch(prompts), stop, ()
-        engine = self.engine()
-        ids = [engine.submit(p, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed + i,
-                             stop_token_ids=stop_ids) for i, p in enumerate(batch)]
-        if not with_text:
-            finished = engine.run_until_done()
-        else:
-            watches = {i: StopWatch(self.tokenizer, strings) for i in ids}
-            finished = {}
-            while not engine.idle:
-                engine.step()
-                finished.update(finish_at_stop_strings(engine, watches))
-        self.stats = engine.stats
+        with self._claimed_engine() as engine:
+            ids = [engine.submit(p, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed + i,
+                                 stop_token_ids=stop_ids) for i, p in enumerate(batch)]
+            if not with_text:
+                finished = engine.run_until_done()
+            else:
+                watches = {i: StopWatch(self.tokenizer, strings) for i in ids}
+                finished = {}
+                while not engine.idle:
+                    engine.step()
+                    finished.update(finish_at_stop_strings(engine, watches))
+            self.stats = engine.stats
         if not with_text:
             return [finished[i] for i in ids]
         return [self.text_result(finished[i], strings) for i in ids]
@@ -239,37 +258,37 @@ class Runtime:
 
     def _stream_ids(self, prompt: Prompt, max_new_tokens: int, temperature: float, seed: int,
                     stop: Stop) -> Iterator[list[int]]:
-        engine = self.engine()
-        request = engine.submit(prompt, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
-                                stop_token_ids=stop)
-        sent = 0
-        while not engine.idle:
-            engine.step()
-            tokens = engine.tokens_so_far(request)
-            if len(tokens) > sent:
-                yield tokens[sent:]
-                sent = len(tokens)
-        engine.take_result(request)
-        self.stats = engine.stats
+        with self._claimed_engine() as engine:
+            request = engine.submit(prompt, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
+                                    stop_token_ids=stop)
+            sent = 0
+            while not engine.idle:
+                engine.step()
+                tokens = engine.tokens_so_far(request)
+                if len(tokens) > sent:
+                    yield tokens[sent:]
+                    sent = len(tokens)
+            engine.take_result(request)
+            self.stats = engine.stats
 
     def _stream_text(self, prompt: Prompt, max_new_tokens: int, temperature: float, seed: int,
                      stop_ids: Sequence[int], strings: tuple[str, ...]) -> Iterator[str]:
-        engine = self.engine()
-        request = engine.submit(prompt, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
-                                stop_token_ids=stop_ids)
-        watches = {request: StopWatch(self.tokenizer, strings)}
-        text, sent = TextStream(self.tokenizer, strings), 0
-        done: dict[int, RequestResult] = {}
-        while not engine.idle:
-            engine.step()
-            done.update(finish_at_stop_strings(engine, watches))
-            tokens = done[request].tokens if request in done else engine.tokens_so_far(request)
-            if len(tokens) > sent and (piece := text.push(tokens[sent:])):
+        with self._claimed_engine() as engine:
+            request = engine.submit(prompt, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
+                                    stop_token_ids=stop_ids)
+            watches = {request: StopWatch(self.tokenizer, strings)}
+            text, sent = TextStream(self.tokenizer, strings), 0
+            done: dict[int, RequestResult] = {}
+            while not engine.idle:
+                engine.step()
+                done.update(finish_at_stop_strings(engine, watches))
+                tokens = done[request].tokens if request in done else engine.tokens_so_far(request)
+                if len(tokens) > sent and (piece := text.push(tokens[sent:])):
+                    yield piece
+                sent = max(sent, len(tokens))
+            if piece := text.finish(self.text_result(done[request], strings).text):
                 yield piece
-            sent = max(sent, len(tokens))
-        if piece := text.finish(self.text_result(done[request], strings).text):
-            yield piece
-        self.stats = engine.stats
+            self.stats = engine.stats
 
 
 def finish_at_stop_strings(engine: BatchEngine, watches: dict[int, StopWatch]) -> dict[int, RequestResult]:

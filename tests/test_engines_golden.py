@@ -112,7 +112,7 @@ def test_profiler_records_what_it_measured(export_dir, monkeypatch):
     section = profiling.profile_section(run, specs, vocab_size=512, block_size=7, batches=(1, 2, 4),
                                         buckets=BUCKETS, past=32, warmup=3, repeats=4)
     assert (section["warmup"], section["repeats"], section["past"]) == (3, 4, 32)
-    assert set(section["tables"]) == {C.TARGET, C.TARGET_STATIC}
+    assert set(section["tables"]) == {C.TARGET, C.TARGET_STATIC, C.TARGET_FUSED}
     for graph, raw in section["tables"].items():
         per_row = 2e-3 if graph == C.TARGET_STATIC else 1e-3
         for r, row in zip((1, 2, 4), raw["verify_seconds"], strict=True):
@@ -188,7 +188,8 @@ def test_runtime_load_uses_the_engine_table_and_temperatures(engine_dir, tmp_pat
     (calibrated / "engine.json").write_text(json.dumps(manifest))
     engine = load_engine_dir(calibrated)
     runtime = Runtime.load(calibrated, RuntimeOptions(max_requests=2, max_seq_len=128))
-    assert runtime.cost_model.to_dict() == engine.cost_model("concat").to_dict()
+    assert engine.kv_mode == runtime.options.kv_mode == "fused"  # the ORT engine drives the fused target
+    assert runtime.cost_model.to_dict() == engine.cost_model("fused").to_dict() != engine.cost_model("concat").to_dict()
     assert runtime.options.scheduler.confidence_temperatures == (1.5,) * 7
     prompt = load_json(golden_path(SET, "traces.json"))["samples"][0]
     assert runtime.generate(prompt["prompt_ids"], max_new_tokens=16)[0].tokens == prompt["generated_ids"][:16]
