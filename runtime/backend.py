@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -142,17 +142,20 @@ class Backend(ABC):
         return out
 
     def run_into(self, graph: str, feeds: Mapping[str, np.ndarray], outputs: Mapping[str, np.ndarray]) -> None:
-        """Run `graph` and leave the named outputs in the given preallocated arrays (C-contiguous,
-        of the outputs' shapes and dtypes); other outputs are dropped. An array that is both a feed
-        and an output is one buffer the graph updates in place (a fused graph's shared past/present
-        K/V). This base version copies after `run`; backends that can bind output memory (ONNX
-        Runtime) write straight into the arrays."""
-        self._check(graph, feeds)
-        begin = time.perf_counter()
-        self._run_into(graph, feeds, outputs)
-        self.times.seconds[graph].append(time.perf_counter() - begin)
+        """Run `graph` once with its outputs left in preallocated arrays (see `bind`)."""
+        self.bind(graph, feeds, outputs).run()
 
-    def _run_into(self, graph: str, feeds: Mapping[str, np.ndarray], outputs: Mapping[str, np.ndarray]) -> None:
+    def bind(self, graph: str, feeds: Mapping[str, np.ndarray], outputs: Mapping[str, np.ndarray]) -> BoundCall:
+        """Bind `graph` to arrays once; `BoundCall.run()` then runs it on whatever the feed arrays
+        hold, leaving the named outputs in the output arrays (C-contiguous, the outputs' shapes and
+        dtypes; other outputs are dropped). An array that is both a feed and an output is one buffer
+        the graph updates in place (a fused graph's shared past/present K/V). Feeds are checked here,
+        once. This base version runs and copies; backends that can bind memory (ONNX Runtime) write
+        straight into the arrays."""
+        self._check(graph, feeds)
+        return BoundCall(graph, lambda: self._copy_into(graph, feeds, outputs), self.times)
+
+    def _copy_into(self, graph: str, feeds: Mapping[str, np.ndarray], outputs: Mapping[str, np.ndarray]) -> None:
         out = self._run(graph, feeds)
         for name, array in outputs.items():
             np.copyto(array, np.asarray(out[name]))
@@ -164,6 +167,19 @@ class Backend(ABC):
             raise BackendError(f"no graph '{graph}' in this backend (has: {sorted(self.specs)})")
         if self.check_inputs:
             check_feeds(self.specs[graph], feeds)
+
+
+class BoundCall:
+    """One graph bound to its arrays (`Backend.bind`): refill the feed arrays in place, `run()`."""
+
+    def __init__(self, graph: str, call: Callable[[], object], times: CallTimes, holds: object = None) -> None:
+        self.graph, self._call, self._times = graph, call, times
+        self._holds = holds  # what the binding points into (ORT's OrtValues), alive as long as the call
+
+    def run(self) -> None:
+        begin = time.perf_counter()
+        self._call()
+        self._times.seconds[self.graph].append(time.perf_counter() - begin)
 
 
 def as_torch(value: Array) -> torch.Tensor:

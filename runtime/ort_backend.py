@@ -24,7 +24,7 @@ from dspark.export.artifacts import ArtifactError, first_line
 from dspark.export.engine_dir import EngineDir
 from dspark.export.manifest import graph_specs, read_manifest, remedy
 
-from .backend import Array, Backend
+from .backend import Array, Backend, BoundCall
 
 CPU = "CPUExecutionProvider"
 
@@ -97,14 +97,17 @@ class OrtBackend(Backend):
         session.run_with_iobinding(binding)
         return dict(zip(names, binding.copy_outputs_to_cpu(), strict=True))
 
-    def _run_into(self, graph: str, feeds: Mapping[str, np.ndarray], outputs: Mapping[str, np.ndarray]) -> None:
+    def bind(self, graph: str, feeds: Mapping[str, np.ndarray], outputs: Mapping[str, np.ndarray]) -> BoundCall:
+        """IO binding over OrtValues that wrap the arrays' own memory, made once."""
+        self._check(graph, feeds)
         session = self._sessions[graph]
         binding = session.io_binding()
-        values = {}  # OrtValues over the arrays' own memory: an array fed and output is one buffer
+        values = {}  # an array fed and output is one OrtValue: one buffer, updated in place
+        keep = []  # the OrtValues must live as long as the binding
         for name in self._specs[graph].input_names:
             array = feeds[name]
             if not array.flags.c_contiguous:  # a silent copy would break buffers updated in place
-                raise ValueError(f"graph '{graph}': feed '{name}' must be C-contiguous for run_into")
+                raise ValueError(f"graph '{graph}': feed '{name}' must be C-contiguous to be bound")
             values[id(array)] = value = ort.OrtValue.ortvalue_from_numpy(array)
             binding.bind_ortvalue_input(name, value)
         for name in self._specs[graph].output_names:
@@ -115,5 +118,8 @@ class OrtBackend(Backend):
             if not array.flags.c_contiguous:
                 raise ValueError(f"graph '{graph}': output array for '{name}' must be C-contiguous")
             value = values.get(id(array)) or ort.OrtValue.ortvalue_from_numpy(array)
+            keep.append(value)
             binding.bind_ortvalue_output(name, value)
-        session.run_with_iobinding(binding)
+        keep += values.values()
+
+        return BoundCall(graph, lambda: session.run_with_iobinding(binding), self.times, holds=keep)

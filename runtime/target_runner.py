@@ -25,7 +25,7 @@ import numpy as np
 
 from dspark.export import contract as C
 
-from .backend import Backend
+from .backend import Backend, BoundCall
 from .kv_cache import CapacityError, SlotCache
 from .model_info import ModelInfo
 from .step_batch import StepBatch
@@ -38,6 +38,13 @@ KV_MODES = tuple(GRAPHS)
 class TargetOutput:
     logits: np.ndarray  # [R, W, V]
     context_features: np.ndarray  # [R, W, F]
+
+
+@dataclass
+class _FusedCall:
+    call: BoundCall
+    feeds: dict[str, np.ndarray]  # refilled in place before each run
+    output: TargetOutput  # views of the runner's output buffers
 
 
 def kv_mode_for(backend: Backend, requested: str | None) -> str:
@@ -65,8 +72,7 @@ class TargetRunner:
         # flat buffers: the first R·W·V elements are a contiguous [R, W, V] for any R, W that fit
         self._logits = np.empty(slots * max_width * self._vocab, dtype)
         self._feature_buf = np.empty(slots * max_width * self._features, dtype)
-        self._seqlens = np.zeros(slots, np.int32)
-        self._total = np.zeros((), np.int32)
+        self._bound: dict[tuple[int, int], _FusedCall] = {}  # (rows, width) of decode steps -> bound once
         self._new: tuple[list[tuple[np.ndarray, np.ndarray]], int, int] | None = None  # plain graphs' present
 
     def forward(self, batch: StepBatch, first_row: int = 0) -> TargetOutput:
@@ -99,24 +105,34 @@ class TargetRunner:
         return TargetOutput(np.asarray(out["logits"]), np.asarray(out["context_features"]))
 
     def _fused(self, batch: StepBatch, first_row: int) -> TargetOutput:
-        rows, width = batch.rows, batch.width
-        end = first_row + rows
-        if rows * width * self._vocab > self._logits.size:
-            logits = np.empty((rows, width, self._vocab), self._logits.dtype)  # a long prefill
-            features = np.empty((rows, width, self._features), self._feature_buf.dtype)
-        else:
+        """Decode steps (rows 0..R-1, width W) reuse one binding per (R, W), made the first time;
+        prefills, whose widths are the prompts', bind afresh."""
+        key = (batch.rows, batch.width)
+        call = self._bound.get(key) if first_row == 0 else None
+        if call is None:
+            call = self._bind_fused(batch.rows, batch.width, first_row)
+            if first_row == 0:
+                self._bound[key] = call
+        call.feeds["input_ids"][...] = batch.ids
+        call.feeds["seqlens_k"][...] = batch.starts + batch.width - 1
+        call.feeds["total_sequence_length"][...] = int(batch.starts.max()) + batch.width
+        call.call.run()
+        return call.output
+
+    def _bind_fused(self, rows: int, width: int, first_row: int) -> _FusedCall:
+        if rows * width * self._vocab <= self._logits.size:  # the first R·W·V elements: contiguous [R, W, V]
             logits = self._logits[: rows * width * self._vocab].reshape(rows, width, self._vocab)
             features = self._feature_buf[: rows * width * self._features].reshape(rows, width, self._features)
-        seqlens = self._seqlens[:rows]
-        seqlens[:] = batch.starts + width - 1
-        self._total[...] = int(batch.starts.max()) + width
-        kv = [buf[first_row:end] for buf in self.kv.kv]
-        feeds = {"input_ids": batch.ids, "seqlens_k": seqlens, "total_sequence_length": self._total}
+        else:  # a long prefill
+            logits = np.empty((rows, width, self._vocab), self._logits.dtype)
+            features = np.empty((rows, width, self._features), self._feature_buf.dtype)
+        kv = [buf[first_row : first_row + rows] for buf in self.kv.kv]  # contiguous slot rows
+        feeds = {"input_ids": np.zeros((rows, width), np.int64), "seqlens_k": np.zeros(rows, np.int32),
+                 "total_sequence_length": np.zeros((), np.int32)}
         feeds.update(zip(C.kv_names("past_key_values", len(kv) // 2), kv, strict=True))
         outputs = {"logits": logits, "context_features": features}
         outputs.update(zip(C.kv_names("present", len(kv) // 2), kv, strict=True))
-        self.backend.run_into(self.graph, feeds, outputs)
-        return TargetOutput(logits, features)
+        return _FusedCall(self.backend.bind(self.graph, feeds, outputs), feeds, TargetOutput(logits, features))
 
     def commit(self, counts: np.ndarray, first_row: int = 0) -> None:
         """Keep the first counts[r] new entries of each row of the last forward."""
