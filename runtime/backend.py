@@ -96,6 +96,7 @@ class Backend(ABC):
     def __init__(self) -> None:
         self.times = CallTimes()
         self.check_inputs = True
+        self._checked: set[tuple] = set()  # feed layouts (graph, names, shapes, dtypes) already checked
         self._is_open = False
 
     @property
@@ -166,7 +167,13 @@ class Backend(ABC):
         if graph not in self.specs:
             raise BackendError(f"no graph '{graph}' in this backend (has: {sorted(self.specs)})")
         if self.check_inputs:
-            check_feeds(self.specs[graph], feeds)
+            # a decode loop repeats a few dozen feed layouts: each is checked the first time only
+            layout = (graph, *((name, value.shape, value.dtype) for name, value in feeds.items()))
+            if layout not in self._checked:
+                check_feeds(self.specs[graph], feeds)
+                if len(self._checked) >= 4096:
+                    self._checked.clear()
+                self._checked.add(layout)
 
 
 class BoundCall:
