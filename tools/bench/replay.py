@@ -17,17 +17,22 @@ from typing import Any
 import numpy as np
 
 from dspark.runtime.api import Runtime, RuntimeOptions
-from dspark.runtime.backend import Array, Backend, as_torch
+from dspark.runtime.backend import Array, Backend, BoundCall, as_torch
 from dspark.runtime.prefix_scheduler import SchedulerConfig
+
+# an output of a bound call: the name of the feed it aliases (a buffer updated in place), or its shape and dtype
+OutputSlot = tuple[str | None, tuple[int, ...], np.dtype]
 
 
 class RecordingBackend(Backend):
-    """Passes every call to `inner` and, while `recording`, keeps a copy of its feeds."""
+    """Passes every call to `inner` and, while `recording`, keeps a copy of its feeds. Bound calls
+    (`bind`) are recorded as bound calls, with which outputs alias which feeds, so the replay
+    makes them the way the engine does."""
 
     def __init__(self, inner: Backend) -> None:
         super().__init__()
         self.inner = inner
-        self.calls: list[tuple[str, dict[str, np.ndarray]]] = []
+        self.calls: list[tuple[str, dict[str, np.ndarray], dict[str, OutputSlot] | None]] = []
         self.recording = False
 
     @property
@@ -42,15 +47,36 @@ class RecordingBackend(Backend):
 
     def _run(self, graph: str, feeds: Mapping[str, Array]) -> dict[str, Array]:
         if self.recording:
-            self.calls.append((graph, {k: as_torch(v).numpy().copy() for k, v in feeds.items()}))
+            self.calls.append((graph, {k: as_torch(v).numpy().copy() for k, v in feeds.items()}, None))
         return self.inner.run(graph, feeds)
 
+    def bind(self, graph: str, feeds: Mapping[str, np.ndarray], outputs: Mapping[str, np.ndarray]) -> BoundCall:
+        inner = self.inner.bind(graph, feeds, outputs)
+        slots = {name: (next((f for f, a in feeds.items() if a is array), None), array.shape, array.dtype)
+                 for name, array in outputs.items()}
+
+        def call() -> None:
+            if self.recording:  # the feeds as they are at this run (the engine refills them in place)
+                self.calls.append((graph, {k: np.array(v) for k, v in feeds.items()}, slots))
+            inner.run()
+
+        return BoundCall(graph, call, self.times)
+
     def replay(self) -> float:
-        """Seconds to run the recorded calls back to back (feeds unchecked, as the engine's are)."""
+        """Seconds to run the recorded calls back to back (feeds unchecked, as the engine's are;
+        bound calls bound beforehand, untimed, as the engine binds them once)."""
         check, self.inner.check_inputs = self.inner.check_inputs, False
+        calls = []
+        for graph, feeds, slots in self.calls:
+            if slots is None:
+                calls.append(lambda g=graph, f=feeds: self.inner.run(g, f))
+                continue
+            outputs = {name: feeds[alias] if alias else np.empty(shape, dtype)
+                       for name, (alias, shape, dtype) in slots.items()}
+            calls.append(self.inner.bind(graph, feeds, outputs).run)
         begin = time.perf_counter()
-        for graph, feeds in self.calls:
-            self.inner.run(graph, feeds)
+        for call in calls:
+            call()
         seconds = time.perf_counter() - begin
         self.inner.check_inputs = check
         return seconds
