@@ -25,6 +25,12 @@ from .proposer import DraftBlock, propose_rows
 class DrafterRunner:
     def __init__(self, backend: Backend, info: ModelInfo, kv: SlotCache) -> None:
         self.backend, self.info, self.kv = backend, info, kv
+        # the block outputs of both graphs land in flat buffers sized once (max requests × γ); the
+        # head reads the backbone's straight from them, nothing is copied out of ONNX Runtime
+        rows, dtype = kv.lengths.shape[0], kv.keys[0].dtype
+        self._buffers = {t.name: np.empty(rows * int(np.prod(t.dims[1:])), dtype if t.dtype != "int64" else np.int64)
+                         for graph in (C.BACKBONE, C.HEAD_GREEDY) if graph in backend.specs
+                         for t in backend.specs[graph].outputs if t.dims[0] == "batch" and "present" not in t.name}
 
     def draft(
         self,
@@ -54,14 +60,20 @@ class DrafterRunner:
             "attention_mask": np.ascontiguousarray(np.broadcast_to(visible[:, None, None, :],
                                                                    (rows, 1, gamma, visible.shape[1]))),
         }
-        layers = self.kv.past(0, rows, past)
-        feeds.update(zip(C.kv_names("past_context", len(layers)), (t for kv in layers for t in kv), strict=True))
-        out = self.backend.run(C.BACKBONE, feeds)
-        names = C.kv_names("present_context", len(layers))
-        present = [(out[names[2 * i]], out[names[2 * i + 1]]) for i in range(len(layers))]
-        self.kv.write(present, source_offset=past, counts=counts)
-        base = out.get("base_logits")
-        return np.asarray(out["block_hidden"]), None if base is None else np.asarray(base)
+        layers = [np.ascontiguousarray(t) for kv in self.kv.past(0, rows, past) for t in kv]  # [R, kvh, past, hd]
+        feeds.update(zip(C.kv_names("past_context", len(layers) // 2), layers, strict=True))
+        present = [np.empty((rows, t.shape[1], past + ctx, t.shape[3]), dtype) for t in layers]
+        outputs = self._outputs(C.BACKBONE, rows)
+        outputs.update(zip(C.kv_names("present_context", len(layers) // 2), present, strict=True))
+        self.backend.run_into(C.BACKBONE, feeds, outputs)
+        self.kv.write(list(zip(present[::2], present[1::2], strict=True)), source_offset=past, counts=counts)
+        return outputs["block_hidden"], outputs.get("base_logits")
+
+    def _outputs(self, graph: str, rows: int) -> dict[str, np.ndarray]:
+        """[rows, ...] views of the flat buffers for `graph`'s block outputs."""
+        specs = self.backend.specs[graph].outputs
+        return {t.name: self._buffers[t.name][: rows * int(np.prod(t.dims[1:]))].reshape(rows, *t.dims[1:])
+                for t in specs if t.name in self._buffers}
 
     def propose(
         self,
@@ -77,9 +89,9 @@ class DrafterRunner:
             feeds = {"block_hidden": hidden, "anchor_ids": anchors}
             if info.lm_head_in_backbone:
                 feeds["base_logits"] = base_logits
-            out = self.backend.run(C.HEAD_GREEDY, feeds)
-            return DraftBlock(np.asarray(out["draft_ids"]), np.asarray(out["logits"]),
-                              None if "confidence_logits" not in out else np.asarray(out["confidence_logits"]))
+            out = self._outputs(C.HEAD_GREEDY, len(anchors))
+            self.backend.run_into(C.HEAD_GREEDY, feeds, out)
+            return DraftBlock(out["draft_ids"], out["logits"], out.get("confidence_logits"))
         return propose_rows(
             (lambda feeds: {k: as_torch(v) for k, v in self.backend.run(C.HEAD_STEP, feeds).items()})
             if info.has_heads else None,
