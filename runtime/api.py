@@ -34,6 +34,7 @@ from .backend_registry import open_backend
 from .batch_loop import BatchEngine
 from .cost_model import StepCost
 from .kv_cache import Capacity
+from .live_cost import LiveStepCost
 from .model_info import ModelInfo
 from .monitor import Monitor
 from .ort_backend import OrtBackend
@@ -62,6 +63,7 @@ class RuntimeOptions:
     max_seq_len: int = 1024
     max_tokens: int | None = None  # None = max_requests * max_seq_len
     profile_requests: tuple[int, ...] = (1, 4, 16)
+    live_cost: bool = True  # each engine keeps the cost model current from its timed steps (LiveStepCost)
 
 
 class Runtime:
@@ -134,8 +136,9 @@ class Runtime:
         """A fresh BatchEngine on this runtime's backend and options; `step_history` steps of stats kept."""
         o = self.options
         capacity = Capacity(o.max_requests, o.max_tokens or o.max_requests * o.max_seq_len, o.max_seq_len)
+        cost_model = LiveStepCost(self.cost_model) if o.live_cost and self.cost_model else self.cost_model
         return BatchEngine(self.backend, self.info, capacity=capacity, scheduler=o.scheduler,
-                           cost_model=self.cost_model, monitor=self.monitor, kv_mode=o.kv_mode,
+                           cost_model=cost_model, monitor=self.monitor, kv_mode=o.kv_mode,
                            step_history=step_history)
 
     @contextmanager

@@ -1,0 +1,300 @@
+"""The live step cost model: it follows the load the engine measures, robustly and within a bounded
+number of steps, and moves the schedule when relative costs change; then comes back."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+
+from dspark.export.cost_table import CostTable
+from dspark.models import load_pair
+from dspark.runtime.api import Runtime, RuntimeOptions
+from dspark.runtime.backend import Array, Backend
+from dspark.runtime.batch_loop import BatchEngine
+from dspark.runtime.cost_model import StepCostModel
+from dspark.runtime.drafting_gate import SplitStepCost
+from dspark.runtime.kv_cache import Capacity
+from dspark.runtime.live_cost import LiveStepCost
+from dspark.runtime.model_info import ModelInfo
+from dspark.runtime.prefix_scheduler import SchedulerConfig
+from dspark.runtime.stats import StepRecord
+from dspark.runtime.torch_backend import TorchBackend
+from dspark.tools.demo_engine import DEMO_DRAFTER, DEMO_TARGET
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@dataclass(frozen=True)
+class Split:
+    """draft(R) = 1 ms·R; verify(R, B) = 2 ms + 0.1 ms·B (as a whole step: StepCostModel(2e-3, 1e-3, 1e-4))."""
+
+    def draft_seconds(self, requests: int) -> float:
+        return 1e-3 * requests
+
+    def verify_seconds(self, requests: int, tokens):
+        return 2e-3 + 1e-4 * tokens
+
+    def seconds(self, requests: int, tokens):
+        return self.draft_seconds(requests) + self.verify_seconds(requests, tokens)
+
+    def to_dict(self) -> dict[str, str]:
+        return {"kind": "split"}
+
+
+PRIOR = Split()
+
+
+def record(requests: int, tokens: int, *, draft: float = 1.0, verify: float = 1.0, prefill: float = 0.0,
+           commit: float = 0.0, drafted: bool = True) -> StepRecord:
+    """A step whose drafting took `draft`× and whose verification took `verify`× what PRIOR says."""
+    seconds = {"prefill": prefill, "schedule": 0.0, "verify": verify * PRIOR.verify_seconds(requests, tokens),
+               "commit": commit}
+    if drafted:
+        drafting = draft * PRIOR.draft_seconds(requests)
+        seconds.update(draft=0.75 * drafting, heads=0.25 * drafting)
+    return StepRecord(step=0, requests=requests, admitted_new=0, lengths=[tokens // max(requests, 1) - 1] * requests,
+                      verified_tokens=tokens, padded_tokens=tokens, acceptance_lengths=[1] * requests,
+                      expected_accepts=None, predicted_seconds=None, seconds=seconds, drafted=drafted)
+
+
+def factor(live: LiveStepCost, requests: int = 4, tokens: int = 16) -> float:
+    return float(live.seconds(requests, tokens)) / PRIOR.seconds(requests, tokens)
+
+
+def steps_until(live: LiveStepCost, step: StepRecord, done, limit: int = 100) -> int:
+    for n in range(1, limit + 1):
+        live.observe(step)
+        if done(factor(live)):
+            return n
+    return limit + 1
+
+
+def test_the_prior_until_steps_are_seen_and_its_interface_kept():
+    live = LiveStepCost(PRIOR)
+    tokens = np.arange(4, 40)
+    np.testing.assert_allclose(live.seconds(4, tokens), PRIOR.seconds(4, tokens))
+    assert live.seconds(4, 16) == pytest.approx(PRIOR.seconds(4, 16))
+    assert isinstance(live, SplitStepCost) and live.draft_seconds(4) == pytest.approx(PRIOR.draft_seconds(4))
+    assert live.to_dict()["prior"] == {"kind": "split"} and live.load_factor == 1.0
+    whole = LiveStepCost(StepCostModel(1e-3, 1e-4, 1e-4))
+    assert not isinstance(whole, SplitStepCost)  # no drafting gate over a prior that cannot price it
+    assert LiveStepCost(live).prior is PRIOR  # one live layer, not two
+
+
+def test_a_slowdown_is_followed_within_bounded_steps_and_undone_as_fast():
+    live = LiveStepCost(PRIOR)  # horizon 32 steps
+    for _ in range(40):
+        live.observe(record(4, 16))
+    slow = steps_until(live, record(4, 16, draft=2.0, verify=2.0), lambda f: f > 1.9)
+    assert 2 <= slow <= 17  # not one step (that could be a hiccup), and within horizon/2 + 1
+    for _ in range(17 - slow):
+        live.observe(record(4, 16, draft=2.0, verify=2.0))
+    assert live.load_factor == pytest.approx(2.0)  # every cell's fallback too, after horizon/2 + 1
+    back = steps_until(live, record(4, 16), lambda f: f < 1.1)
+    assert 2 <= back <= 17
+
+
+def test_outliers_do_not_move_it():
+    live = LiveStepCost(PRIOR)
+    for i in range(200):
+        pause = 20.0 if i % 5 == 0 else 1.0  # one step in five preempted or collecting garbage
+        live.observe(record(4, 16, draft=pause, verify=pause))
+        if i > 10:
+            assert factor(live) == pytest.approx(1.0, rel=0.01)
+
+
+def test_one_odd_step_in_a_cell_is_not_its_cost():
+    live = LiveStepCost(PRIOR)
+    for _ in range(20):
+        live.observe(record(4, 16))
+    live.observe(record(4, 64, verify=10.0))  # a cell seen once, in a hiccup
+    assert live.verify_seconds(4, 64) == pytest.approx(PRIOR.verify_seconds(4, 64))
+
+
+@pytest.mark.parametrize("prior", [PRIOR, StepCostModel(2e-3, 1e-3, 1e-4)], ids=["split", "whole-step"])
+def test_prefill_and_idle_steps_do_not_count(prior):
+    live = LiveStepCost(prior)
+    for _ in range(20):
+        live.observe(record(4, 16, prefill=1.0))
+        live.observe(record(0, 0, prefill=1.0))
+    assert live.seconds(4, 16) == pytest.approx(prior.seconds(4, 16)) and live.steps == 20
+    assert live.load_factor == pytest.approx(1.0)
+
+
+def test_drafting_verification_and_overhead_are_learned_apart():
+    live = LiveStepCost(PRIOR)
+    for _ in range(20):
+        live.observe(record(4, 16, draft=3.0, verify=1.0, commit=5e-4))
+    assert live.draft_seconds(4) == pytest.approx(3 * PRIOR.draft_seconds(4))
+    tokens = np.array([4, 8, 16, 32, 64])  # seen at 16: the overhead is per step, not per token
+    np.testing.assert_allclose(live.verify_seconds(4, tokens), PRIOR.verify_seconds(4, tokens) + 5e-4)
+
+
+def test_cells_where_seen_and_the_load_factor_elsewhere():
+    live = LiveStepCost(PRIOR)
+    for _ in range(10):
+        live.observe(record(4, 8, verify=1.0, draft=1.0))
+        live.observe(record(4, 32, verify=2.0, draft=1.0))
+    verify = live.verify_seconds(4, np.array([8, 16, 32, 64])) / PRIOR.verify_seconds(4, np.array([8, 16, 32, 64]))
+    np.testing.assert_allclose(verify, [1.0, 1.5, 2.0, 2.0])  # along B: between the cells seen, flat past them
+    assert live.verify_seconds(64, 200) / PRIOR.verify_seconds(64, 200) == pytest.approx(1.5)  # median of all
+    assert [float(live.seconds(4, b)) for b in range(4, 40)] == pytest.approx(list(live.seconds(4, np.arange(4, 40))))
+
+
+def test_drafting_seen_only_at_probes_still_follows_them():
+    """While the gate skips drafting, a probe every 16 steps is all there is: the draft factor
+    follows the latest probes (2 of 3) rather than ratios from before the change."""
+    live = LiveStepCost(PRIOR)
+    for _ in range(20):
+        live.observe(record(4, 28, draft=2.0))
+    probes = 0
+    while live.draft_seconds(4) > 1.1 * PRIOR.draft_seconds(4):
+        for _ in range(15):
+            live.observe(record(4, 4, drafted=False))
+        live.observe(record(4, 28))
+        probes += 1
+    assert probes == 2
+
+
+def test_memory_is_bounded():
+    live = LiveStepCost(PRIOR, max_cells=64)
+    g = np.random.default_rng(0)
+    for _ in range(3000):
+        requests = int(g.integers(1, 1025))
+        tokens = requests * int(g.integers(1, 9))
+        live.observe(record(requests, tokens, draft=g.uniform(0.5, 2), verify=g.uniform(0.5, 2)))
+    for cells in (live.step_ratios, live.draft_ratios, live.verify_ratios, live.overhead):
+        assert len(cells.cells) <= 64 and all(len(v) <= cells.window for v in cells.cells.values())
+        assert len(cells.recent) <= 32
+
+
+# -- the engine, on the demo pair, on a device whose clock we control --------------------------------------
+class VirtualClock:
+    """time.perf_counter for the engine: it moves only when the device charges a call, so step
+    timings are exactly the device's costs, whatever else runs on this machine."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def nominal_seconds(graph: str, feeds: Mapping[str, Array]) -> float:
+    """The idle device: verification memory-bound (2 ms + 0.02 ms per token), drafting 3.5 ms."""
+    rows = int(next(iter(feeds.values())).shape[0])
+    if graph.startswith("drafter"):
+        return 2.5e-3 + 1e-4 * rows if graph == "drafter_backbone" else 0.6e-3
+    return 2e-3 + 2e-5 * int(np.prod(feeds["input_ids"].shape))
+
+
+class SlowableDevice(Backend):
+    """Runs the demo pair for real and charges each call `nominal_seconds` × the slowdown of its
+    graph family ("drafter", "target") on the virtual clock."""
+
+    def __init__(self, inner: Backend, clock: VirtualClock) -> None:
+        super().__init__()
+        self.inner, self.clock, self.check_inputs = inner, clock, False
+        self.slowdown: dict[str, float] = {}
+
+    @property
+    def specs(self):
+        return self.inner.specs
+
+    def _open(self) -> None:
+        self.inner.open()
+
+    def _close(self) -> None:
+        self.inner.close()
+
+    def _charge(self, graph: str, feeds: Mapping[str, Array]) -> None:
+        family = "drafter" if graph.startswith("drafter") else "target"
+        self.clock.now += nominal_seconds(graph, feeds) * self.slowdown.get(family, 1.0)
+
+    def _run(self, graph, feeds):
+        self._charge(graph, feeds)
+        return self.inner.run(graph, feeds)
+
+    def _run_into(self, graph, feeds, outputs) -> None:
+        self._charge(graph, feeds)
+        self.inner.run_into(graph, feeds, outputs)
+
+
+def device_table() -> CostTable:
+    """What dspark-build-engine measures on the idle device (verification of R×⌈B/R⌉ tokens)."""
+    batches, buckets = (1, 2, 4, 8), (1, 2, 4, 8, 16, 32, 64)
+    verify = tuple(tuple(None if b < r else 2e-3 + 2e-5 * r * -(-b // r) for b in buckets) for r in batches)
+    return CostTable(batches, buckets, verify, tuple(3.1e-3 + 1e-4 * r for r in batches))
+
+
+PROMPTS = ([67, 24, 319, 84, 12, 9], [5, 88, 301, 44], [120, 7, 7, 33, 250], [17, 402, 96])
+
+
+def run_under(slowdowns: list[tuple[int, dict[str, float]]], monkeypatch, requests: int = 4):
+    """Decode on the slowable device, keeping `requests` active; `slowdowns`: (steps, slowdown) phases.
+    -> the step records and the live model's load factor after each step."""
+    clock = VirtualClock()
+    monkeypatch.setattr(time, "perf_counter", clock)
+    target, drafter = load_pair(DEMO_TARGET, DEMO_DRAFTER)
+    device = SlowableDevice(TorchBackend(target, drafter), clock)
+    live = LiveStepCost(device_table())
+    engine = BatchEngine(device, ModelInfo.from_models(target, drafter), capacity=Capacity(requests, 8192, 1024),
+                         scheduler=SchedulerConfig("dspark"), cost_model=live, kv_mode="concat")
+    records: list[StepRecord] = []
+    load: list[float] = []
+    submitted = 0
+    for steps, slowdown in slowdowns:
+        device.slowdown = slowdown
+        for _ in range(steps):
+            while len(engine.queue) + len(engine.active) <= requests:
+                engine.submit(PROMPTS[submitted % len(PROMPTS)], max_new_tokens=300)
+                submitted += 1
+            step = engine.step()
+            if step is not None:
+                records.append(step)
+                load.append(live.load_factor)
+    return records, load
+
+
+def test_engine_stops_drafting_within_32_steps_of_a_2x_slower_drafter_and_resumes(monkeypatch):
+    records, _ = run_under([(48, {}), (64, {"drafter": 2.0}), (96, {})], monkeypatch)
+    drafted = "".join("d" if r.drafted else "." for r in records)  # one record per step: always busy
+    assert len(drafted) == 208 and drafted[:48] == "d" * 48, drafted  # drafting pays on the idle device
+    react = drafted.index(".", 48) - 48
+    assert react <= 32, drafted  # measured: 8 steps
+    probes = drafted[48 + react : 112].count("d")
+    assert probes <= 1 + (64 - react) // 16, drafted  # plain decoding but for the gate's probes
+    resume = drafted.index("d" * 16, 112) - 112
+    assert resume <= 48, drafted  # measured: 28 steps (two probes at the old speed, at most 16 steps apart)
+    assert drafted.endswith("d" * 48), drafted
+    per_request = [r.verified_tokens / r.requests for r in records]
+    assert min(per_request[:48]) > 4  # verified tokens per request: the schedule shrinks, then grows back
+    assert np.mean(per_request[48 + react : 112]) < 1.5 < 4 < np.mean(per_request[-48:])
+
+
+def test_engine_load_factor_follows_a_uniform_2x_slowdown_and_the_schedule_keeps(monkeypatch):
+    """Everything 2× slower: the load factor says so within horizon/2 + 1 steps and back as fast;
+    the decisions do not change (Θ = τ / t keeps its argmax when every cost doubles)."""
+    records, load = run_under([(40, {}), (32, {"drafter": 2.0, "target": 2.0}), (32, {})], monkeypatch)
+    assert load[39] == pytest.approx(1.0, abs=0.01)
+    assert min(i for i in range(40, 72) if load[i] == pytest.approx(2.0, abs=0.02)) - 40 <= 17  # measured: 16
+    assert min(i for i in range(72, 104) if load[i] == pytest.approx(1.0, abs=0.02)) - 72 <= 17
+    assert all(r.drafted for r in records)
+
+
+@pytest.mark.parametrize("live", [True, False])
+def test_runtime_engines_learn_live_load_unless_told_not_to(live):
+    target, drafter = load_pair(DEMO_TARGET, DEMO_DRAFTER)
+    options = RuntimeOptions(max_requests=2, max_seq_len=256, live_cost=live)
+    with Runtime(TorchBackend(target, drafter), ModelInfo.from_models(target, drafter), options, PRIOR) as runtime:
+        engine = runtime.engine()
+        assert isinstance(engine.cost_model, LiveStepCost) == live and engine.gate is not None
+        if live:
+            assert engine.cost_model.prior is PRIOR
+            engine.submit([67, 24, 319, 84], max_new_tokens=8)
+            engine.run_until_done()
+            assert engine.cost_model.steps > 0
