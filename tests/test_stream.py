@@ -24,7 +24,10 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 @pytest.fixture(scope="module", params=["dspark", "fixed"])
 def runtime(request):
     target, drafter = load_pair(golden_path(SET, "target"), golden_path(SET, "drafter"))
-    options = RuntimeOptions(scheduler=SchedulerConfig(request.param), max_requests=2, max_seq_len=256)
+    # live_cost off: the comparison needs the same decisions in both runs, and a live cost model
+    # decides from wall-clock step times (the output law stays exact either way)
+    options = RuntimeOptions(scheduler=SchedulerConfig(request.param), max_requests=2, max_seq_len=256,
+                             live_cost=False)
     with Runtime(TorchBackend(target, drafter), ModelInfo.from_models(target, drafter), options, COST) as rt:
         yield rt
 
