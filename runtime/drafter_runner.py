@@ -16,7 +16,7 @@ import torch
 
 from dspark.export import contract as C
 
-from .backend import Backend, as_torch
+from .backend import Backend, BoundCall, as_torch
 from .kv_cache import SlotCache
 from .model_info import ModelInfo
 from .proposer import DraftBlock, propose_rows
@@ -31,6 +31,7 @@ class DrafterRunner:
         self._buffers = {t.name: np.empty(rows * int(np.prod(t.dims[1:])), dtype if t.dtype != "int64" else np.int64)
                          for graph in (C.BACKBONE, C.HEAD_GREEDY) if graph in backend.specs
                          for t in backend.specs[graph].outputs if t.dims[0] == "batch" and "present" not in t.name}
+        self._greedy_heads: dict[int, tuple[BoundCall, dict[str, np.ndarray], dict[str, np.ndarray]]] = {}
 
     def draft(
         self,
@@ -86,11 +87,19 @@ class DrafterRunner:
         """Draft tokens through the heads: all-greedy batches in one call, else slot by slot."""
         info = self.info
         if info.has_heads and not any(temperatures):
-            feeds = {"block_hidden": hidden, "anchor_ids": anchors}
-            if info.lm_head_in_backbone:
-                feeds["base_logits"] = base_logits
-            out = self._outputs(C.HEAD_GREEDY, len(anchors))
-            self.backend.run_into(C.HEAD_GREEDY, feeds, out)
+            rows = len(anchors)
+            if rows not in self._greedy_heads:  # bound once per batch size, over the backbone's buffers
+                backbone = self._outputs(C.BACKBONE, rows)
+                feeds = {"block_hidden": backbone["block_hidden"], "anchor_ids": np.zeros(rows, np.int64)}
+                if info.lm_head_in_backbone:
+                    feeds["base_logits"] = backbone["base_logits"]
+                out = self._outputs(C.HEAD_GREEDY, rows)
+                self._greedy_heads[rows] = (self.backend.bind(C.HEAD_GREEDY, feeds, out), feeds, out)
+            call, feeds, out = self._greedy_heads[rows]
+            if not np.shares_memory(hidden, feeds["block_hidden"]):
+                raise ValueError("propose takes the block_hidden that this runner's draft() just returned")
+            feeds["anchor_ids"][...] = anchors
+            call.run()
             return DraftBlock(out["draft_ids"], out["logits"], out.get("confidence_logits"))
         return propose_rows(
             (lambda feeds: {k: as_torch(v) for k, v in self.backend.run(C.HEAD_STEP, feeds).items()})
