@@ -181,6 +181,7 @@ def target_fused_spec(config: TargetConfig, feature_size: int, dtype: str, tree:
         outputs=(
             TensorSpec("logits", dtype, ("batch", "tokens", config.vocab_size)),
             TensorSpec("context_features", dtype, ("batch", "tokens", feature_size)),
+            TensorSpec("greedy_ids", "int64", ("batch", "tokens")),
             *_kv("present", layers, kvh, "capacity", hd, dtype),
         ),
     )

@@ -15,6 +15,7 @@ No tracing: the graph is written node by node from a `TargetModel`'s parameters 
         h, x  = SkipSimplifiedLayerNormalization(r, mlp)                   next input norm (or the final
                                                                            norm), x = layer i's raw output
     logits = MatMul(final-normed x, lm_head^T)
+    greedy_ids = ArgMax(logits, -1)                                       what greedy verification reads
     context_features = Concat(raw outputs of the chosen layers, -1 = embeddings)
 
 Feeding (see `contract.target_fused_spec`): per row b with `past_b` committed positions and
@@ -231,6 +232,9 @@ def build_fused_target(model: TargetModel, dtype: str = "float32", *, opset: int
                               outputs=[f"{name}/out", "", "", f"layers.{i}/output"], domain=MS_DOMAIN, epsilon=eps)
             features[i] = x
         b.op("MatMul", [h, b.weight("lm_head.weight", model.lm_head.weight.T)], "lm_head", outputs=["logits"])
+        # greedy verification reads [batch, tokens] ids, not [batch, tokens, V] logits (first maximum, as
+        # numpy and torch pick it)
+        b.op("ArgMax", ["logits"], "greedy/ArgMax", outputs=["greedy_ids"], axis=-1, keepdims=0, select_last_index=0)
     _context_features(b, [features[i] for i in model.context_layer_ids], x)
 
     graph = helper.make_graph(

@@ -263,7 +263,7 @@ class BatchEngine:
                    generators: list[torch.Generator | None]) -> list[int]:
         """Accept, commit the accepted KV entries, hand the new context rows to the drafter, and
         append each request's tokens."""
-        drafts, bonus = verify_chains(batch, out.logits, None if block is None else block.logits,
+        drafts, bonus = verify_chains(batch, out.logits, out.greedy_ids, None if block is None else block.logits,
                                       temperatures, generators)
         kept = drafts + 1
         self.target.commit(kept)

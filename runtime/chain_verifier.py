@@ -21,16 +21,17 @@ from .step_batch import StepBatch
 def verify_chains(
     batch: StepBatch,  # ids [R, W]: anchor then the drafts under verification
     target_logits: np.ndarray,  # [R, W, V] the target's logits at those tokens
+    greedy_ids: np.ndarray | None,  # [R, W] their argmax when the graph computed it, else None
     draft_logits: np.ndarray | torch.Tensor | None,  # [R, γ, V] what each draft was drawn from
     temperatures: Sequence[float],
     generators: Sequence[torch.Generator | None],
 ) -> tuple[np.ndarray, np.ndarray]:
     """-> accepted drafts [R] int64 (0 .. counts - 1) and the bonus token of each row [R] int64."""
     drafts = batch.counts - 1
-    greedy = target_logits.argmax(axis=-1)  # [R, W]
+    greedy = target_logits.argmax(axis=-1) if greedy_ids is None else greedy_ids  # [R, W]
     survives = (batch.ids[:, 1:] == greedy[:, :-1]) & (np.arange(batch.width - 1)[None, :] < drafts[:, None])
     accepted = np.cumprod(survives, axis=1).sum(axis=1) if batch.width > 1 else np.zeros(batch.rows, np.int64)
-    bonus = greedy[np.arange(batch.rows), accepted]
+    bonus = greedy[np.arange(batch.rows), accepted]  # a copy: the sampling rows below overwrite theirs
     for r in np.flatnonzero(np.asarray(temperatures) > 0):
         k = int(drafts[r])
         verdict = verify_chain(

@@ -38,6 +38,7 @@ KV_MODES = tuple(GRAPHS)
 class TargetOutput:
     logits: np.ndarray  # [R, W, V]
     context_features: np.ndarray  # [R, W, F]
+    greedy_ids: np.ndarray | None = None  # [R, W] argmax of logits, where the graph computes it
 
 
 @dataclass
@@ -71,6 +72,7 @@ class TargetRunner:
         dtype = kv.keys[0].dtype
         # flat buffers: the first R·W·V elements are a contiguous [R, W, V] for any R, W that fit
         self._logits = np.empty(slots * max_width * self._vocab, dtype)
+        self._greedy = np.empty(slots * max_width, np.int64) if "greedy_ids" in outputs else None
         self._feature_buf = np.empty(slots * max_width * self._features, dtype)
         self._bound: dict[tuple[int, int], _FusedCall] = {}  # (rows, width) of decode steps -> bound once
         self._new: tuple[list[tuple[np.ndarray, np.ndarray]], int, int] | None = None  # plain graphs' present
@@ -123,16 +125,21 @@ class TargetRunner:
         if rows * width * self._vocab <= self._logits.size:  # the first R·W·V elements: contiguous [R, W, V]
             logits = self._logits[: rows * width * self._vocab].reshape(rows, width, self._vocab)
             features = self._feature_buf[: rows * width * self._features].reshape(rows, width, self._features)
+            greedy = None if self._greedy is None else self._greedy[: rows * width].reshape(rows, width)
         else:  # a long prefill
             logits = np.empty((rows, width, self._vocab), self._logits.dtype)
             features = np.empty((rows, width, self._features), self._feature_buf.dtype)
+            greedy = None if self._greedy is None else np.empty((rows, width), np.int64)
         kv = [buf[first_row : first_row + rows] for buf in self.kv.kv]  # contiguous slot rows
         feeds = {"input_ids": np.zeros((rows, width), np.int64), "seqlens_k": np.zeros(rows, np.int32),
                  "total_sequence_length": np.zeros((), np.int32)}
         feeds.update(zip(C.kv_names("past_key_values", len(kv) // 2), kv, strict=True))
         outputs = {"logits": logits, "context_features": features}
+        if greedy is not None:
+            outputs["greedy_ids"] = greedy
         outputs.update(zip(C.kv_names("present", len(kv) // 2), kv, strict=True))
-        return _FusedCall(self.backend.bind(self.graph, feeds, outputs), feeds, TargetOutput(logits, features))
+        return _FusedCall(self.backend.bind(self.graph, feeds, outputs), feeds,
+                          TargetOutput(logits, features, greedy))
 
     def commit(self, counts: np.ndarray, first_row: int = 0) -> None:
         """Keep the first counts[r] new entries of each row of the last forward."""

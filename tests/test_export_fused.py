@@ -284,9 +284,10 @@ def test_unshared_feeding_concatenates():
     outs = fused.session.run(None, feeds)
     feeds = {"input_ids": tokens[:, 6:], "seqlens_k": np.array([8, 8], np.int32),
              "total_sequence_length": np.array(9, np.int32),
-             **dict(zip(C.kv_names("past_key_values", c.num_hidden_layers), outs[2:], strict=True))}
+             **dict(zip(C.kv_names("past_key_values", c.num_hidden_layers), outs[3:], strict=True))}
     outs = fused.session.run(None, feeds)
-    assert outs[2].shape == (2, c.num_key_value_heads, 9, c.head_dim)
+    assert outs[3].shape == (2, c.num_key_value_heads, 9, c.head_dim)
+    np.testing.assert_array_equal(outs[2], outs[0].argmax(-1))  # greedy_ids: the logits' first maximum
     with torch.no_grad():
         ref = model(torch.from_numpy(tokens), torch.arange(9).expand(2, 9))
     assert np.abs(outs[0] - ref.logits[:, 6:].numpy()).max() <= ATOL

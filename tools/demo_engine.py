@@ -31,8 +31,12 @@ def cache_root() -> Path:
 
 def checkpoint_key(*folders: Path) -> str:
     """Short digest of every file's name, size and mtime in the folders: a cache key that costs
-    a few stat calls, not a read of the weights."""
+    a few stat calls, not a read of the weights. The exporter's and builders' own sources are in
+    it too, so an engine cached by an older dspark (other graphs, another engine.json) is rebuilt."""
     digest = hashlib.sha256(metadata.version("dspark").encode())
+    package = Path(__file__).resolve().parents[1]
+    for source in sorted([*(package / "export").glob("*.py"), *(package / "engines").glob("*.py")]):
+        digest.update(source.read_bytes())
     for folder in folders:
         for path in sorted(folder.resolve().iterdir()):
             if path.is_file():
