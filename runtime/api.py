@@ -75,7 +75,7 @@ class Runtime:
         options = options or RuntimeOptions()
         backend.open()
         self.backend, self.info, self.options = backend, info, options
-        if cost_model is None and options.scheduler.mode == "dspark":
+        if cost_model is None and options.scheduler.needs_cost_model:
             cost_model = profile_step_cost(backend, info, kv_mode=options.kv_mode,
                                            requests=options.profile_requests)
         self.cost_model = cost_model

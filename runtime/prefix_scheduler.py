@@ -7,8 +7,10 @@ anchor) and τ = R expected accepts, admit candidates one by one while the expec
 what keeps decoding lossless: the admission of token j of request r depends only on candidates
 with a survival ≥ a_{r,j}, never on the draft token x_{r,j} itself (Appendix A).
 
-Modes: `dspark` (Algorithm 1), `fixed` (γ' tokens), `threshold` (first per-slot confidence
-below a threshold, DeepSpec's static rule), `off` (0 drafts: plain autoregressive decoding).
+Modes: `dspark` (Algorithm 1), `async` (§5.2: top-K by current survival, the capacity K from an
+unconstrained search over the confidences of two steps earlier; `async_scheduler.py`), `fixed`
+(γ' tokens), `threshold` (first per-slot confidence below a threshold, DeepSpec's static rule),
+`off` (0 drafts: plain autoregressive decoding).
 
 Algorithm 1 itself (`admit_by_throughput`, `ThroughputRule`) is written once here; the tree node
 scheduler (`tree_builder.node_budgets`, and `build_tree` while it grows a tree) runs the same rule
@@ -23,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-MODES = ("dspark", "fixed", "threshold", "off")
+MODES = ("dspark", "async", "fixed", "threshold", "off")
 
 # (requests R, verified tokens B [n]) -> seconds per step [n], elementwise, as the cost models compute it
 StepSeconds = Callable[[int, np.ndarray], np.ndarray]
@@ -56,6 +58,11 @@ class SchedulerConfig:
     @property
     def needs_drafts(self) -> bool:
         return self.mode != "off" and not (self.mode == "fixed" and self.fixed_length == 0)
+
+    @property
+    def needs_cost_model(self) -> bool:
+        """Modes that price verification with a step cost model (SPS)."""
+        return self.mode in ("dspark", "async")
 
 
 @dataclass(frozen=True)
@@ -157,10 +164,21 @@ def threshold_length(confidence_logits: torch.Tensor, threshold: float) -> int:
 
 class StepScheduler:
     """The engine's scheduler: one per engine, asked once per step. Synchronous modes are the
-    stateless `schedule`; a stateful mode keeps what it learns from earlier steps here."""
+    stateless `schedule`; a stateful mode keeps what it learns from earlier steps here (`async`:
+    the capacities its searches found, see async_scheduler.py)."""
 
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
+        self._async = None
+        if config.mode == "async":
+            from .async_scheduler import AsyncScheduler  # imports this module
+
+            self._async = AsyncScheduler(config.confidence_temperatures)
+
+    def capacity(self, requests: int) -> int | None:
+        """At most how many draft tokens the next `decide` admits for `requests` rows, known before
+        its drafts exist (mode `async` once warmed up); None when only the drafts can tell."""
+        return None if self._async is None else self._async.capacity(requests)
 
     def decide(
         self,
@@ -170,6 +188,8 @@ class StepScheduler:
         confidence_logits: torch.Tensor | None,  # [R, γ] or None
         step_seconds: StepSeconds | None,
     ) -> Decision:
+        if self._async is not None:
+            return self._async.decide(confidence_logits=confidence_logits, step_seconds=step_seconds)
         return schedule(self.config, requests=requests, block_size=block_size,
                         confidence_logits=confidence_logits, step_seconds=step_seconds)
 
@@ -192,6 +212,8 @@ def schedule(
     if config.mode == "threshold":
         lengths = tuple(threshold_length(row, config.threshold) for row in confidence_logits)
         return Decision(lengths, None, None, 0)
+    if config.mode == "async":
+        raise SchedulerConfigError("scheduler mode 'async' keeps state across steps: ask a StepScheduler")
     if step_seconds is None:
         raise SchedulerConfigError("scheduler mode 'dspark' needs a step cost model")
     return prefix_schedule(survival(confidence_logits, config.confidence_temperatures), step_seconds)

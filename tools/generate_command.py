@@ -36,8 +36,9 @@ def _parse_ids(ctx: click.Context, param: click.Parameter, text: str | None) -> 
 @click.option("--max-new-tokens", default=64, show_default=True, type=click.IntRange(min=1))
 @click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(min=0.0))
 @click.option("--seed", default=0, show_default=True, type=int)
-@click.option("--scheduler", default="dspark", show_default=True,
-              type=click.Choice(["dspark", "fixed", "threshold", "off"]))
+@click.option("--scheduler", default="dspark", show_default=True,  # prefix_scheduler.MODES (no torch import here)
+              type=click.Choice(["dspark", "async", "fixed", "threshold", "off"]),
+              help="dspark: Algorithm 1; async: its §5.2 form, batch size from the confidences of two steps earlier.")
 @click.option("--gamma", type=click.IntRange(min=0), help="Draft tokens per round for --scheduler fixed.")
 @click.option("--threshold", default=0.5, show_default=True,
               help="Confidence cut-off for --scheduler threshold.")

@@ -28,8 +28,9 @@ _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 @click.option("--max-body-bytes", default=1 << 20, show_default=True, type=click.IntRange(min=1024),
               help="Largest request body.")
 @click.option("--model-name", help="The model id clients send (default: the engine directory's name).")
-@click.option("--scheduler", default="dspark", show_default=True,
-              type=click.Choice(["dspark", "fixed", "threshold", "off"]))
+@click.option("--scheduler", default="dspark", show_default=True,  # prefix_scheduler.MODES (no torch import here)
+              type=click.Choice(["dspark", "async", "fixed", "threshold", "off"]),
+              help="dspark: Algorithm 1; async: its §5.2 form, batch size from the confidences of two steps earlier.")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]))
 def serve(engine_dir, host, port, api_key, max_queue, max_tokens_per_request, max_requests, max_seq_len,

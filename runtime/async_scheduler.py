@@ -1,0 +1,144 @@
+"""The asynchronous prefix scheduler (DSpark paper §5.2): scheduler mode `async`.
+
+Algorithm 1 decides a step's verification length only once that step's drafts and confidences
+exist. Overlapped (zero-overhead) scheduling and CUDA-graph replay need the step's batch size
+earlier, while the step before it is still running. So, as in §5.2:
+
+- **Capacity K from two steps earlier.** At every step the scheduler runs an *unconstrained*
+  search over the step's own survivals a_{r,j} = Π_{i≤j} σ(c_{r,i} / T_i): with the candidates sorted
+  by a descending, τ(K) = R + (sum of the K largest a) and K* = argmax_K τ(K)·SPS(R + K), over every
+  K from 0 to the number of candidates with a > 0 (no early stop, so a jagged SPS curve does not
+  trap it; the smallest K wins a tie). That K* is not used now: it is the capacity of the step two
+  decisions later.
+- **Ranking by the current confidences.** Step t admits the K_t candidates with the largest
+  *current* survival (ties: request, then position, as Algorithm 1), so each request verifies a
+  prefix of its block and the most confident drafts always go first: a dynamic top-K.
+
+**K across changing batches.** Requests join and leave between steps, so K is kept per request:
+step t-2 stores (K*, R_{t-2}), and step t with R_t requests admits
+K_t = round(K* · R_t / R_{t-2}) (halves up, in integers; exactly K* when R is unchanged), clipped to
+the R_t · γ candidates that exist, and only candidates with a > 0 are ever admitted. A per-request
+capacity follows the load when the batch grows or shrinks, where a fixed token count would starve a
+batch that doubled or flood one that halved. B_t = R_t + K_t is then an upper bound on the step's
+verified tokens known before its drafts exist (`StepScheduler.capacity(R)` for the engine).
+
+**Warm-up.** The first two decisions have no history: they are synchronous Algorithm 1 decisions
+(`prefix_schedule`, early stop), which are lossless on their own; their searches still feed the
+capacity of decisions three and four. A "step" here is one `decide` call: an engine step with no
+active request makes none, and the history outlives an idle engine (per-request capacity stays
+meaningful).
+
+**Why it is lossless (Appendix A, adapted).** Lossless speculative decoding needs the admission of
+draft token x_{r,k} (the event ℓ_r ≥ k) to be decided by information that, given the committed
+context and x_{r,<k}, does not depend on x_{r,k} itself; the accept/reject rule then returns the
+target's distribution whatever else the admission looked at. Appendix A shows what goes wrong
+otherwise: the Markov confidence c_{r,k+1} is computed from x_{r,k}, so an unconstrained search over
+the *current* survivals lets x_{r,k} decide its own admission (in the paper's example a token that
+leads to confident continuations is admitted, one that does not is not), and the output is biased:
+(0.85, 0.15) instead of (0.7, 0.3). Here:
+
+1. K_t depends only on survivals of step t-2, the cost model and R_t: all fixed before any draft of
+   step t is sampled. Step t's drafts are drawn fresh, conditioned on the committed context alone,
+   so they are independent of K_t. (The t-2 drafts that shaped K_t were verified, accepted or
+   replaced, and are never reused; the committed tokens they produced follow the target by the same
+   argument one step earlier, by induction.) The unconstrained search's retrospective dependence on
+   x_{r,k} is real, but it only moves a capacity used two steps later, behind a causal barrier.
+2. Given K_t, (r, k) is admitted iff fewer than K_t candidates rank ahead of it. Those ahead of it
+   are (r, j < k), whose survivals depend on x_{r,<k} only, and other requests' candidates, which
+   depend on their own drafts, drawn independently of x_{r,k}. Request r's later slots never rank
+   ahead: a_{r,k+1} = a_{r,k} · σ(c_{r,k+1}) ≤ a_{r,k}, and a tie goes to the earlier position. So
+   the event ℓ_r ≥ k is a function of information available before x_{r,k} is drawn, which is
+   Appendix A's non-anticipating condition; no early stop is needed for it.
+
+Using step t-1 would be as lossless; the second lag is what overlapping needs (step t's batch is
+sized while step t-1 runs, before its confidences exist). tests/test_async_scheduler.py checks
+the lag, the ranking, greedy identity and the sampled distribution, and that a lag of 0 (the
+retrospective search of Appendix A) is caught.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import numpy as np
+import torch
+
+from .prefix_scheduler import Decision, SchedulerConfigError, StepSeconds, prefix_schedule, survival
+
+LAG = 2  # decisions between the confidences a capacity is computed from and the step that uses it
+
+
+def _ranked(survivals: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Candidates with a > 0 of survivals [R, γ], by descending survival, then request, then
+    position -> (rows [n], cols [n], a [n]) in that order."""
+    rows, cols = np.nonzero(survivals > 0)
+    values = survivals[rows, cols].astype(np.float64)
+    order = np.lexsort((cols, rows, -values))
+    return rows[order], cols[order], values[order]
+
+
+def best_capacity(survivals: np.ndarray, step_seconds: StepSeconds) -> int:
+    """Unconstrained search over survivals [R, γ]: K* = argmax over K = 0..n of
+    τ(K) / step_seconds(R, R + K), τ(K) = R + the K largest survivals (the first maximum wins)."""
+    requests = survivals.shape[0]
+    _, _, a = _ranked(survivals)
+    tau = np.cumsum(np.concatenate(([float(requests)], a)))  # τ(K) for K = 0..n
+    theta = tau / np.asarray(step_seconds(requests, requests + np.arange(a.size + 1)), dtype=np.float64)
+    return int(np.argmax(theta))
+
+
+def admit_top_k(survivals: np.ndarray, k: int) -> np.ndarray:
+    """The k highest-ranked candidates of survivals [R, γ] (a > 0 only) -> lengths [R]: each request's
+    admitted slots form a prefix because survival never rises along a row and ties go to position."""
+    rows, cols, _ = _ranked(survivals)
+    lengths = np.zeros(survivals.shape[0], dtype=np.int64)
+    np.maximum.at(lengths, rows[:k], cols[:k] + 1)
+    return lengths
+
+
+class AsyncScheduler:
+    """Mode `async`: top-K by current survival, K from the unconstrained search of `lag` decisions
+    earlier (see the module docstring). One per engine; `decide` once per step. `lag` 0 makes the
+    search retrospective (Appendix A's biased scheduler): only for tests that must catch it."""
+
+    def __init__(self, temperatures: tuple[float, ...] | None = None, *, lag: int | None = None) -> None:
+        lag = LAG if lag is None else lag
+        if lag < 0:
+            raise SchedulerConfigError(f"the capacity lag must be >= 0 decisions, got {lag}")
+        self.temperatures, self.lag = temperatures, lag
+        self._searched: deque[tuple[int, int]] = deque()  # (K*, R) of the last `lag` decisions, oldest first
+
+    def capacity(self, requests: int) -> int | None:
+        """Draft tokens the next `decide` admits for `requests` rows, at most (only candidates with
+        a > 0 are admitted, never more than R·γ), known before that step's drafts exist; None while
+        warming up (that decision is synchronous) or with lag 0."""
+        if self.lag == 0 or len(self._searched) < self.lag or requests <= 0:
+            return None
+        k, then = self._searched[0]
+        return (2 * k * requests + then) // (2 * then)  # round(K* · R_t / R_{t-lag}), halves up
+
+    def decide(self, *, confidence_logits: torch.Tensor | None,  # [R, γ]
+               step_seconds: StepSeconds | None) -> Decision:
+        if confidence_logits is None:
+            raise SchedulerConfigError("scheduler mode 'async' needs a drafter with a confidence head")
+        if step_seconds is None:
+            raise SchedulerConfigError("scheduler mode 'async' needs a step cost model")
+        probs = survival(confidence_logits, self.temperatures)  # [R, γ]
+        requests, gamma = probs.shape
+        if requests == 0:
+            return Decision((), 0.0, None, 0)
+        a = probs.numpy()
+        searched = best_capacity(a, step_seconds)  # for the decision `lag` steps on
+        capacity = self.capacity(requests)
+        if self.lag:
+            if capacity is not None:
+                self._searched.popleft()
+            self._searched.append((searched, requests))
+        if capacity is None and self.lag:  # warm-up: Algorithm 1 with its early stop
+            return prefix_schedule(probs, step_seconds)
+        k = searched if capacity is None else min(capacity, requests * gamma)
+        lengths = admit_top_k(a, k)
+        tau = requests + float(a[np.arange(gamma) < lengths[:, None]].sum())
+        tokens = requests + int(lengths.sum())
+        theta = tau / float(np.asarray(step_seconds(requests, np.array([tokens])))[0])
+        return Decision(tuple(lengths.tolist()), tau, theta, int((a > 0).sum()))
