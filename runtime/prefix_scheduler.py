@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 MODES = ("dspark", "async", "fixed", "threshold", "off")
+PRICING = ("padded", "packed")
 
 # (requests R, verified tokens B [n]) -> seconds per step [n], elementwise, as the cost models compute it
 StepSeconds = Callable[[int, np.ndarray], np.ndarray]
@@ -44,6 +45,9 @@ class SchedulerConfig:
     threshold: float = 0.5  # `threshold`: per-slot σ(c) cut-off
     confidence_temperatures: tuple[float, ...] | None = None  # STS, one per block slot
     gate_drafting: bool = True  # `dspark`: skip drafting when the cost table says it cannot pay
+    # how verification is priced: "padded" (the runtime's graphs take [R, W] rows, so B = R·W) or
+    # "packed" (B = Σ(1 + ℓ_r), the paper's packed verification)
+    pricing: str = "padded"
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -52,6 +56,8 @@ class SchedulerConfig:
             raise SchedulerConfigError(f"fixed_length must be >= 0, got {self.fixed_length}")
         if not 0.0 <= self.threshold < 1.0:
             raise SchedulerConfigError(f"threshold must lie in [0, 1), got {self.threshold}")
+        if self.pricing not in PRICING:
+            raise SchedulerConfigError(f"pricing '{self.pricing}' is unknown; choose one of {PRICING}")
         if self.confidence_temperatures is not None and min(self.confidence_temperatures) <= 0:
             raise SchedulerConfigError("confidence temperatures must be > 0")
 
@@ -145,11 +151,34 @@ def admit_by_throughput(survivals: Sequence[Sequence[float]] | np.ndarray, throu
     return Decision(tuple(lengths.tolist()), float(requests), best, considered)
 
 
-def prefix_schedule(survival_probs: torch.Tensor, step_seconds: StepSeconds) -> Decision:
+def admit_by_width(survivals: np.ndarray, throughput: Throughput) -> Decision:
+    """Algorithm 1 for a padded verification: every request verifies W - 1 drafts, since [R, W] rows
+    cost R·W tokens whoever fills them. Depth d (all requests' d-th drafts) adds τ_d = Σ_r a_{r,d}
+    for R more tokens; depths are admitted in order while Θ = τ·SPS(R·W) rises, and the first drop
+    stops the scan. Lossless by Algorithm 1's argument with candidates grouped by depth: admitting
+    depth d reads survivals of depths ≤ d only, and a_{r,d} depends on drafts before slot d, never on
+    the d-th draft itself (Appendix A). survivals [R, γ], non-increasing along γ."""
+    requests, gamma = survivals.shape
+    tau = requests + np.cumsum(survivals.sum(axis=0))  # after admitting depths 1..γ
+    theta = throughput(tau, requests * (1 + np.arange(1, gamma + 1)))
+    best = float(throughput(np.array([float(requests)]), np.array([requests]))[0])
+    previous = np.concatenate(([best], theta[:-1]))
+    refused = np.flatnonzero((theta <= previous) | (survivals.max(axis=0) <= 0))
+    depth = int(refused[0]) if refused.size else gamma
+    considered = min(depth + 1, gamma)
+    if depth == 0:
+        return Decision((0,) * requests, float(requests), best, considered)
+    return Decision((depth,) * requests, float(tau[depth - 1]), float(theta[depth - 1]), considered)
+
+
+def prefix_schedule(survival_probs: torch.Tensor, step_seconds: StepSeconds, *, padded: bool = False) -> Decision:
     """Algorithm 1 over chain slots. survival_probs [R, γ], non-increasing along γ.
-    Θ = τ·SPS(B) with SPS(B) = 1 / step_seconds(R, B)."""
+    Θ = τ·SPS(B) with SPS(B) = 1 / step_seconds(R, B); B counts the verified tokens packed (the
+    paper's §5.3, `admit_by_throughput`), or with `padded` what a verification over [R, W] rows
+    computes (`admit_by_width`)."""
     requests = survival_probs.shape[0]
-    return admit_by_throughput(survival_probs.numpy(), lambda tau, tokens: tau / step_seconds(requests, tokens))
+    admit = admit_by_width if padded else admit_by_throughput
+    return admit(survival_probs.numpy(), lambda tau, tokens: tau / step_seconds(requests, tokens))
 
 
 def threshold_length(confidence_logits: torch.Tensor, threshold: float) -> int:
@@ -216,4 +245,5 @@ def schedule(
         raise SchedulerConfigError("scheduler mode 'async' keeps state across steps: ask a StepScheduler")
     if step_seconds is None:
         raise SchedulerConfigError("scheduler mode 'dspark' needs a step cost model")
-    return prefix_schedule(survival(confidence_logits, config.confidence_temperatures), step_seconds)
+    return prefix_schedule(survival(confidence_logits, config.confidence_temperatures), step_seconds,
+                           padded=config.pricing == "padded")

@@ -11,7 +11,7 @@ import torch
 from conftest import random_pair
 from scipy.stats import chisquare
 
-from dspark.runtime import batch_loop
+from dspark.runtime import chain_verifier
 from dspark.runtime.batch_loop import BatchEngine
 from dspark.runtime.cost_model import StepCostModel
 from dspark.runtime.kv_cache import Capacity
@@ -62,6 +62,46 @@ def test_algorithm1_admits_by_survival_and_stops_at_first_drop():
     cliff = {**sps, 6: 10.0}
     assert prefix_schedule(a, table(cliff)).lengths == (1, 1)
     assert retrospective_schedule(a, table(cliff)) == (3, 1)
+
+
+def depth_scan(survival_probs: torch.Tensor, step_seconds) -> tuple[int, ...]:
+    """Padded Algorithm 1 one depth at a time: depth d adds every request's d-th survival and R tokens."""
+    requests, gamma = survival_probs.shape
+    tau, best, depth = float(requests), requests / step_seconds(requests, requests), 0
+    for d in range(gamma):
+        column = survival_probs[:, d].tolist()
+        theta = (tau + sum(column)) / step_seconds(requests, requests * (d + 2))
+        if theta <= best or max(column) <= 0:
+            break
+        tau, best, depth = tau + sum(column), theta, d + 1
+    return (depth,) * requests
+
+
+def test_padded_pricing_admits_whole_depths_as_a_scalar_scan_would():
+    g = np.random.default_rng(0)
+    cost = lambda r, b: 1e-3 + 2e-4 * r + 3e-4 * np.asarray(b, dtype=float)  # noqa: E731
+    chosen = set()
+    for _ in range(300):
+        rows, gamma = int(g.integers(1, 9)), int(g.integers(1, 8))
+        probs = torch.from_numpy(np.cumprod(g.uniform(0.2, 1.0, (rows, gamma)), axis=1))
+        decision = prefix_schedule(probs, cost, padded=True)
+        assert decision.lengths == depth_scan(probs, cost)
+        chosen.add(decision.lengths[0])
+    assert len(chosen) > 2  # the scan stops at various depths
+    # one sure request among three unsure ones: packed pricing verifies its four drafts at one token
+    # each; padded pricing, where every depth costs four tokens, stops after the first
+    probs = torch.tensor([[0.99, 0.98, 0.97, 0.96], *[[0.3, 0.1, 0.05, 0.01]] * 3], dtype=torch.float64)
+    confidences = torch.logit(torch.cat((probs[:, :1], probs[:, 1:] / probs[:, :-1]), dim=1))
+
+    def decide(**config):
+        return schedule(SchedulerConfig(**config), requests=4, block_size=4, confidence_logits=confidences,
+                        step_seconds=cost).lengths
+
+    # a cheaper width after a drop is not looked at: the scan stops at the first drop (Appendix A)
+    cliff = lambda r, b: np.where(np.asarray(b) <= 2 * r, 1.0, np.where(np.asarray(b) == 3 * r, 10.0, 0.1))  # noqa: E731
+    assert prefix_schedule(probs, cliff, padded=True).lengths == (1,) * 4
+    assert decide(pricing="packed") == (4, 0, 0, 0)
+    assert decide() == decide(pricing="padded") == prefix_schedule(probs, cost, padded=True).lengths == (1,) * 4
 
 
 def test_survival_is_cumulative_and_calibrated():
@@ -180,7 +220,7 @@ def test_engine_is_lossless_under_the_scheduler_and_a_wrong_rule_is_caught(monke
         bonus = torch.multinomial(torch.softmax(target_logits[k], -1), 1, generator=generator)
         return ChainVerdict(k, int(bonus))
 
-    monkeypatch.setattr(batch_loop, "verify_chain", accept_everything)
+    monkeypatch.setattr(chain_verifier, "verify_chain", accept_everything)
     wrong, _ = engine_second_tokens(target, drafter, prompt, n)
     assert binned_pvalue(wrong, probs) < 1e-6
 
@@ -232,9 +272,9 @@ def test_saturated_confidences_tie_at_one_and_still_admit_a_prefix():
     a = survival(conf)
     assert float(a[0, 0]) == float(a[0, 1]) == float(a[0, 2]) == float(a[1, 0]) == 1.0
     for admit in range(int((a > 0).sum()) + 1):
-        decision = schedule(SchedulerConfig("dspark", gate_drafting=False), requests=2, block_size=4,
+        decision = schedule(SchedulerConfig("dspark", gate_drafting=False, pricing="packed"), requests=2, block_size=4,
                             confidence_logits=conf, step_seconds=capped(admit))
         check_prefix_decision(a, decision, admit)
     # one admission among four tied a = 1 candidates: slot 1 of request 0 (request, then position)
-    assert schedule(SchedulerConfig("dspark"), requests=2, block_size=4, confidence_logits=conf,
+    assert schedule(SchedulerConfig("dspark", pricing="packed"), requests=2, block_size=4, confidence_logits=conf,
                     step_seconds=capped(1)).lengths == (1, 0)
