@@ -12,8 +12,11 @@ B = Σ_r (1 + ℓ_r), so the table is two-dimensional:
 Timing noise on a shared machine can make a larger bucket measure faster than a smaller one;
 lookups use the running maximum over B (verifying more tokens never costs less), the stored
 measurements stay raw. verify(R, B) is then piecewise linear in B between measured buckets
-(linear extrapolation past the last one) and piecewise linear in R between measured batch sizes
-(and beyond them), so the prefix scheduler sees a cost that rises with every admitted token rather than in steps.
+(linear extrapolation past the last one) and piecewise linear in R between measured batch sizes, so
+the prefix scheduler sees a cost that rises with every admitted token rather than in steps. Past
+the largest measured batch R_max the work is scaled, not the noise extrapolated: verify(R, B) =
+(R / R_max)·verify(R_max, B·R_max / R) and draft(R) = (R / R_max)·draft(R_max), so a quick table
+(a few small batches, measured on a busy machine) never prices a large batch's wide step as cheap.
 `seconds(requests, tokens)` has the signature of the runtime's `StepCostModel.seconds`.
 """
 
@@ -86,6 +89,10 @@ class CostTable:
     def verify_seconds(self, requests: int, tokens: Tokens):
         """Piecewise linear in R between the two measured batch sizes around `requests` (only
         those two rows are evaluated), and in B along each row."""
+        largest = self.batches[-1]
+        if requests > largest:  # R / R_max copies of R_max rows, each with its share of the tokens
+            scale = requests / largest
+            return at_least(scale * self._row(len(self.batches) - 1, tokens / scale), MIN_SECONDS)
         if len(self.batches) == 1:
             per_requests = self._row(0, tokens)
         else:
@@ -95,6 +102,8 @@ class CostTable:
         return at_least(per_requests, MIN_SECONDS)
 
     def draft_seconds(self, requests: int) -> float:
+        if requests > self.batches[-1]:
+            return requests / self.batches[-1] * self.draft[-1]
         return max(interpolate(self.batches, self.draft, requests), 0.0)
 
     def seconds(self, requests: int, tokens: Tokens):

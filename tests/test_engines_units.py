@@ -131,7 +131,12 @@ def test_cost_table_interpolates_and_never_gets_cheaper_with_more_tokens():
     assert t.seconds(1, 4) == pytest.approx(3e-3)
     assert t.verify_seconds(1, 10) == pytest.approx(3e-3)  # halfway between buckets 4 and 16
     assert t.verify_seconds(1, 28) == pytest.approx(6e-3)  # the last segment's slope, extrapolated
-    assert t.draft_seconds(3) == pytest.approx(2e-3)  # extrapolated past the last batch size
+    assert t.draft_seconds(3) == pytest.approx(1.5 * t.draft_seconds(2))  # past R_max: the work scaled
+    # past R_max a wider step never costs less, and more rows never cost less
+    wide = [float(t.seconds(r, r * w)) for r in (2, 4, 64) for w in range(1, 9)]
+    for r in range(3):
+        assert wide[8 * r : 8 * r + 8] == sorted(wide[8 * r : 8 * r + 8])
+    assert wide[0::8] == sorted(wide[0::8]) and t.verify_seconds(64, 64) == pytest.approx(32 * t.verify_seconds(2, 2))
     assert t.sps(2, 4) == pytest.approx(1 / (1.5e-3 + 2.5e-3))
     noisy = CostTable((1,), (1, 2, 4), ((2e-3, 1e-3, 3e-3),), (0.0,))  # bucket 2 measured faster
     assert noisy.verify_seconds(1, 2) == pytest.approx(2e-3)
