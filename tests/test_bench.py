@@ -1,4 +1,5 @@
-"""`dspark bench` end to end on the golden tiny models, and its greedy-equality check."""
+"""`dspark bench` end to end on the golden tiny models (with a tiny COST STAND-IN of the target), its
+greedy-equality check, the goal comparison and the plots."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 from click.testing import CliRunner
 from conftest import golden_path
 
-from dspark.tools.bench import peers, single_stream, subjects
+from dspark.tools.bench import load_sweep, peers, plots, report, single_stream, subjects
 from dspark.tools.bench.plots import PLOTS
 from dspark.tools.bench.timeline import System, Timeline
 from dspark.tools.bench_command import bench
@@ -18,22 +19,34 @@ from dspark.tools.bench_command import bench
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
+SYSTEMS = {"dspark scheduler", "dspark async scheduler", "fixed γ=3", "fixed γ=7", "autoregressive"}
+
+
 @pytest.fixture(scope="module")
 def bench_out(tmp_path_factory) -> Path:
-    """One tiny bench run (peers included when installed) shared by the tests below."""
+    """One tiny bench run (peers included when installed) shared by the tests below, with the load
+    sweep also on a COST STAND-IN of the target twice its size (made into a temporary user cache)."""
     out = tmp_path_factory.mktemp("bench")
     vanilla = golden_path("qwen3-tiny-vanilla")
     args = ["--out", str(out), "--quick", "--target", str(vanilla / "target"), "--drafter", str(vanilla / "drafter"),
             "--dflash", str(golden_path("dflash-tiny", "drafter")), "--num-prompts", "2", "--prompt-len", "12",
-            "--new-tokens", "16", "--concurrency", "1,3", "--sweep-new-tokens", "6"]
-    result = CliRunner().invoke(bench, args, catch_exceptions=False)
+            "--new-tokens", "16", "--concurrency", "1,3", "--sweep-new-tokens", "6", "--standin",
+            "--standin-params", "2x"]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("DSPARK_CACHE", str(tmp_path_factory.mktemp("user-cache")))
+        result = CliRunner().invoke(bench, args, catch_exceptions=False)
     assert result.exit_code == 0, result.output
     return out
 
 
+def _engine_dir(bench_out: Path) -> Path:
+    """The pair's own engine (the bench cache also holds the stand-in's)."""
+    return Path(json.loads((bench_out / "results.json").read_text())["subjects"]["runtime_dir"])
+
+
 def test_results_schema_and_plots(bench_out: Path) -> None:
     results = json.loads((bench_out / "results.json").read_text())
-    assert results["schema_version"] == 1
+    assert results["schema_version"] == 2
     assert set(results["acceptance"]) == {"DSpark", "DSpark, Markov head off", "DFlash"}
     for name, a in results["acceptance"].items():
         assert a["status"] == "ok", name
@@ -59,26 +72,51 @@ def test_results_schema_and_plots(bench_out: Path) -> None:
         if row["status"] == "ok":
             assert row["greedy_check"]["equal"], (name, row["greedy_check"])
 
-    sweep = results["load_sweep"]
-    assert set(sweep) == {"dspark scheduler", "fixed γ=3", "fixed γ=7", "autoregressive"}
-    for name, runs in sweep.items():
-        assert [r["concurrency"] for r in runs] == [1, 3]
-        for r in runs:
-            assert 0 < r["tokens"] <= r["concurrency"] * 6  # a request may stop early at the stop token
-            assert r["aggregate_tokens_per_second"] > 0 and r["same_tokens_as_autoregressive"], (name, r)
-    assert sweep["autoregressive"][0]["mean_drafts_per_request_step"] == 0
-    assert sweep["fixed γ=3"][0]["mean_drafts_per_request_step"] <= 3
+    own, standin = results["load_sweeps"]
+    assert own["target"] == "target qwen3-tiny-vanilla/target (213.7k)" and own["standin"] is None
+    assert standin["target"] == "COST STAND-IN target (428k)"
+    for entry in (own, standin):
+        sweep = entry["schedulers"]
+        assert set(sweep) == SYSTEMS
+        for name, runs in sweep.items():
+            assert [r["concurrency"] for r in runs] == [1, 3]
+            for r in runs:
+                assert 0 < r["tokens"] <= r["concurrency"] * 6  # a request may stop early at the stop token
+                assert r["aggregate_tokens_per_second"] > 0 and r["per_request_tokens_per_second"] > 0
+                assert r["same_tokens_as_autoregressive"], (entry["target"], name, r)
+                assert r["ratio_to_autoregressive"] == pytest.approx(
+                    r["aggregate_tokens_per_second"] / sweep["autoregressive"][runs.index(r)]
+                    ["aggregate_tokens_per_second"], abs=1e-3)
+        assert sweep["autoregressive"][0]["mean_drafts_per_request_step"] == 0
+        assert sweep["autoregressive"][0]["ratio_to_autoregressive"] == 1.0
+        assert sweep["fixed γ=3"][0]["mean_drafts_per_request_step"] <= 3
+        assert [e["concurrency"] for e in entry["comparison"]] == [1, 3]
+        for e in entry["comparison"]:
+            assert set(e["schedulers"]) == {"dspark scheduler", "dspark async scheduler"}
+            assert e["bar_tokens_per_second"] == max(e["autoregressive_tokens_per_second"],
+                                                     e["best_fixed_tokens_per_second"])
+            assert all(isinstance(x["meets_goal"], bool) for x in e["schedulers"].values())
+
+    record = standin["standin"]  # the stand-in's provenance, labelled as one
+    assert record["label"].startswith("COST STAND-IN") and record["params"] >= 2 * record["source_params"]
+    assert record["source"] == str(golden_path("qwen3-tiny-vanilla", "target").resolve())
+    assert Path(record["checkpoint_dir"]).name == "standin-target-427.4k"
+    assert results["subjects"]["standin"] == record
+    assert record["runtime_dir"] != results["subjects"]["runtime_dir"]
 
     assert sorted(results["plots"]) == sorted(PLOTS)
     for name in PLOTS:
         assert (bench_out / name).read_bytes()[:8] == PNG_MAGIC
-    assert "### Load sweep" in (bench_out / "report.md").read_text()
+    text = (bench_out / "report.md").read_text()
+    assert "### Load sweep" in text and "### Goal: scheduler ≥ max(autoregressive, best fixed γ)" in text
+    sweep_rows = [line for line in text.splitlines() if line.startswith("| COST STAND-IN target (428k) |")]
+    assert len(sweep_rows) == 2 * len(SYSTEMS) + 2  # every stand-in row of the sweep and goal tables says so
+    assert "vLLM's published DSpark numbers on a large GPU model (not measured here)" in text
+    assert "adaptive 2.66× at 1, 1.81× at 16, 1.54× at 256; fixed k=7 1.20× at 256" in text
 
 
 def test_greedy_check_flags_a_wrong_system(bench_out: Path) -> None:
-    (engine_root,) = (bench_out / "cache").glob("engine-*")
-    engine_dir = engine_root / "engine"
-    base = single_stream.load_runtime(engine_dir, threads=1)
+    base = single_stream.load_runtime(_engine_dir(bench_out), threads=1)
     right = next(s for s in single_stream.runtime_systems(base, stop=511, max_seq_len=128)
                  if s.name == "dspark autoregressive")
 
@@ -145,9 +183,7 @@ def test_markov_head_off_is_a_copy() -> None:
 def test_engine_without_checkpoints(bench_out: Path, tmp_path: Path) -> None:
     """--engine alone: acceptance and peers are skipped, greedy is checked against our own
     autoregressive decoding."""
-    (engine_root,) = (bench_out / "cache").glob("engine-*")
-    engine_dir = engine_root / "engine"
-    args = ["--out", str(tmp_path), "--engine", str(engine_dir), "--num-prompts", "1", "--prompt-len", "8",
+    args = ["--out", str(tmp_path), "--engine", str(_engine_dir(bench_out)), "--num-prompts", "1", "--prompt-len", "8",
             "--new-tokens", "8", "--concurrency", "2", "--sweep-new-tokens", "4"]
     result = CliRunner().invoke(bench, args, catch_exceptions=False)
     assert result.exit_code == 0, result.output
@@ -158,3 +194,95 @@ def test_engine_without_checkpoints(bench_out: Path, tmp_path: Path) -> None:
     assert systems == ["dspark scheduler", "dspark fixed γ=3", "dspark fixed γ=7", "dspark autoregressive"]
     assert all(r["greedy_check"]["equal"] for r in results["single_stream"]["rows"])
     assert "acceptance.png" not in results["plots"] and "pareto.png" in results["plots"]
+
+
+def _row(c: int, aggregate: float, per_request: float | None = None) -> dict:
+    """A made-up sweep row: only what compare, the report and the plots read."""
+    return {"concurrency": c, "aggregate_tokens_per_second": aggregate,
+            "per_request_tokens_per_second": aggregate / c if per_request is None else per_request,
+            "mean_drafts_per_request_step": 1.0, "mean_verified_tokens_per_step": 2.0 * c,
+            "rejected_draft_fraction": 0.5, "mean_acceptance_length": 2.0, "same_tokens_as_autoregressive": True}
+
+
+def _made_up_sweep() -> dict[str, list[dict]]:
+    return {  # at 1 request the best fixed γ sets the bar, at 16 autoregressive does
+        "dspark scheduler": [_row(1, 199.0), _row(16, 310.0)],
+        "dspark async scheduler": [_row(1, 200.0), _row(16, 299.0)],
+        "fixed γ=3": [_row(1, 150.0), _row(16, 250.0)],
+        "fixed γ=7": [_row(1, 200.0), _row(16, 100.0)],
+        "autoregressive": [_row(1, 100.0, per_request=80.0), _row(16, 300.0)],
+    }
+
+
+def test_goal_is_the_best_of_autoregressive_and_fixed_gamma() -> None:
+    sweep = _made_up_sweep()
+    one, sixteen = load_sweep.compare(sweep)
+    assert (one["concurrency"], one["best_fixed"], one["bar_tokens_per_second"]) == (1, "fixed γ=7", 200.0)
+    assert (sixteen["best_fixed"], sixteen["bar_tokens_per_second"]) == ("fixed γ=3", 300.0)
+    assert one["autoregressive_tokens_per_second"] == 100.0
+    sync, async_ = one["schedulers"]["dspark scheduler"], one["schedulers"]["dspark async scheduler"]
+    assert sync["meets_goal"] is False  # 199 beats autoregressive (100) but not fixed γ=7 (200)
+    assert async_["meets_goal"] is True  # equal to the bar counts
+    assert sync["ratio_to_bar"] == 0.995 and sync["ratio_to_autoregressive"] == 1.99
+    assert sync["per_request_ratio_to_autoregressive"] == pytest.approx(199 / 80, abs=1e-3)
+    assert sixteen["schedulers"]["dspark scheduler"]["meets_goal"] is True  # 310 >= 300
+    assert sixteen["schedulers"]["dspark async scheduler"]["meets_goal"] is False  # 299 < autoregressive's 300
+    # ratios are written into every row as well
+    assert sweep["fixed γ=7"][1]["ratio_to_autoregressive"] == 0.333
+    assert sweep["autoregressive"][0]["ratio_to_autoregressive"] == 1.0
+
+    no_scheduler = load_sweep.compare({"autoregressive": [_row(4, 10.0)]})
+    assert no_scheduler[0]["schedulers"] == {} and no_scheduler[0]["bar_tokens_per_second"] == 10.0
+    alone = load_sweep.compare({"dspark scheduler": [_row(4, 10.0)]})[0]["schedulers"]["dspark scheduler"]
+    assert alone["meets_goal"] is None and alone["ratio_to_autoregressive"] is None
+
+    sweeps = [{"target": "COST STAND-IN target (100M)", "standin": None, "schedulers": sweep,
+               "comparison": [one, sixteen]}]
+    table = report.goal_table(sweeps).splitlines()
+    assert table[2].startswith("| COST STAND-IN target (100M) | 1 | 100.0 | 200.0 (fixed γ=7) | 199.0 | 0.995 | no |")
+    assert table[3].endswith("| 310.0 | 1.03 | yes | 299.0 | 0.997 | no |")
+    summary = report.goal_summary(sweeps)
+    assert ("dspark scheduler: ≥ max(autoregressive, best fixed γ) at 1 of 2 concurrencies (not at 1 requests)"
+            in summary)
+    assert "per-request speed ÷ autoregressive 2.49× at 1, 1.03× at 16" in summary
+
+
+def test_plots_label_every_target(monkeypatch, tmp_path: Path) -> None:
+    """Each sweep plot has a panel per target titled with its label, the ratio plot draws vLLM's
+    published figures as a labelled reference, and the PNGs are written."""
+    texts: dict[str, list[str]] = {}
+    save = plots._save
+
+    def recording_save(fig, path, *args, **kwargs):
+        texts[path.name] = [t.get_text() for ax in fig.axes for t in
+                            [ax.title, *(ax.get_legend().get_texts() if ax.get_legend() else [])]]
+        texts[path.name] += [t.get_text() for t in fig.texts]
+        return save(fig, path, *args, **kwargs)
+
+    monkeypatch.setattr(plots, "_save", recording_save)
+    sweeps = []
+    for label in ("demo target (5.2M)", "COST STAND-IN target (100M)"):
+        sweep = _made_up_sweep()
+        sweeps.append({"target": label, "standin": None, "schedulers": sweep, "comparison": load_sweep.compare(sweep)})
+    made = plots.write_plots({"load_sweeps": sweeps, "vllm_reference": load_sweep.VLLM_REFERENCE}, tmp_path)
+    assert made == ["pareto.png", "budget.png", "ratio.png"]
+    for name in made:
+        assert (tmp_path / name).read_bytes()[:8] == PNG_MAGIC
+        for label in ("demo target (5.2M)", "COST STAND-IN target (100M)"):
+            assert any(text.startswith(label) for text in texts[name]), (name, label)
+    ratio = "\n".join(texts["ratio.png"])
+    assert "vLLM published, adaptive (large GPU model; not ours)" in ratio
+    assert "vLLM published, fixed k=7 (large GPU model; not ours)" in ratio
+    assert "vLLM's published DSpark numbers on a large GPU model (not measured here)" in ratio
+
+
+def test_standin_needs_a_checkpoint_and_a_larger_size(bench_out: Path, tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("DSPARK_CACHE", str(tmp_path / "user-cache"))
+    args = ["--out", str(tmp_path), "--engine", str(_engine_dir(bench_out)), "--standin", "--sweep-only"]
+    result = CliRunner().invoke(bench, args)
+    assert result.exit_code == 2 and "--standin inflates the target checkpoint" in result.output
+    vanilla = golden_path("qwen3-tiny-vanilla")
+    chosen = subjects.Subjects(tmp_path, vanilla / "target", vanilla / "drafter", None, "checkpoints")
+    with pytest.raises(subjects.BenchSetupError, match="--standin-params: .* not more than the target's"):
+        subjects.standin_checkpoint(chosen, "100k")
+    assert not (tmp_path / "user-cache").exists()  # refused before writing anything

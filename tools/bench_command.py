@@ -2,6 +2,7 @@
 
     dspark bench --quick --out bench-out          # the bundled demo pair, a few minutes
     dspark bench --out bench-out                  # the full sweep (1 → 1024 concurrent requests)
+    dspark bench --quick --standin --out bench-out  # + the sweep on a 100M COST STAND-IN target
     dspark bench --engine DIR --target T --drafter D --dflash F --out bench-out
 
 Writes results.json, report.md (the tables) and PNG plots into --out. See dspark.tools.bench.
@@ -22,7 +23,7 @@ import click
 from .errors import OneLineErrors
 
 _DIR = click.Path(exists=True, file_okay=False, path_type=Path)
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: load_sweeps, one labelled entry per target
 SWEEP_DISTINCT_PROMPTS = 64  # the sweep's request i uses prompt i % 64
 
 
@@ -72,8 +73,14 @@ def _concurrency(text: str | None) -> tuple[int, ...] | None:
 @click.option("--concurrency", help="Override the sweep's concurrent requests: 1,4,16.")
 @click.option("--sweep-new-tokens", type=click.IntRange(min=1), help="Override new tokens per sweep request.")
 @click.option("--no-peers", is_flag=True, help="Skip Hugging Face transformers and onnxruntime-genai.")
+@click.option("--standin", is_flag=True,
+              help="Also sweep a COST STAND-IN target: the target inflated to --standin-params (made into the "
+                   "user cache once, as `dspark train standin`), with the same drafter.")
+@click.option("--standin-params", default="100M", show_default=True,
+              help="The stand-in's size: 100M, 1.5B, 250k, or a multiple of the target (4x).")
+@click.option("--sweep-only", is_flag=True, help="Only the load sweep(s): no acceptance, single stream, peers.")
 def bench(out, quick, engine, target, drafter, dflash, prompts_file, threads, num_prompts, prompt_len, new_tokens,
-          concurrency, sweep_new_tokens, no_peers) -> None:
+          concurrency, sweep_new_tokens, no_peers, standin, standin_params, sweep_only) -> None:
     """Acceptance, single-stream speed against peers, and a concurrency sweep, with plots."""
     from .bench.subjects import BenchSetupError
 
@@ -85,7 +92,8 @@ def bench(out, quick, engine, target, drafter, dflash, prompts_file, threads, nu
     out.mkdir(parents=True, exist_ok=True)
     try:
         results = run_bench(out, sizes, engine=engine, target=target, drafter=drafter, dflash=dflash,
-                            prompts_file=prompts_file, threads=threads, peers=not no_peers)
+                            prompts_file=prompts_file, threads=threads, peers=not no_peers,
+                            standin_params=standin_params if standin else None, sweep_only=sweep_only)
     except BenchSetupError as exc:
         raise click.UsageError(str(exc)) from exc
     results["command"] = " ".join(["dspark", *sys.argv[1:]]) if sys.argv[0].endswith("dspark") else None
@@ -101,15 +109,12 @@ def bench(out, quick, engine, target, drafter, dflash, prompts_file, threads, nu
 
 
 def run_bench(out: Path, sizes: Sizes, *, engine: Path | None, target: Path | None, drafter: Path | None,
-              dflash: Path | None, prompts_file: Path | None, threads: int, peers: bool) -> dict:
+              dflash: Path | None, prompts_file: Path | None, threads: int, peers: bool,
+              standin_params: str | None = None, sweep_only: bool = False) -> dict:
     import torch
     from tqdm import tqdm
 
-    from dspark.models import load_pair
-    from dspark.runtime.reference_decoder import autoregressive_generate
-
-    from .bench import acceptance, load_sweep, replay, single_stream, subjects
-    from .bench import peers as peer_systems
+    from .bench import load_sweep, single_stream, subjects
 
     began = time.perf_counter()
     torch.set_num_threads(threads)
@@ -117,6 +122,10 @@ def run_bench(out: Path, sizes: Sizes, *, engine: Path | None, target: Path | No
     cache = out / "cache"
     tqdm.write("dspark bench: preparing the runtime (export, cost-model profiling)")
     chosen = subjects.resolve(engine, target, drafter, dflash, cache)
+    standin = None
+    if standin_params is not None:
+        tqdm.write(f"dspark bench: the COST STAND-IN target ({standin_params}): inflate, export, build (once)")
+        standin = subjects.resolve_standin(chosen, standin_params, cache)
     runtime = single_stream.load_runtime(chosen.runtime_dir, threads=threads)
     info = runtime.info
     stop = subjects.stop_token(info.eos_token_ids, info.mask_token_id)
@@ -127,7 +136,6 @@ def run_bench(out: Path, sizes: Sizes, *, engine: Path | None, target: Path | No
     if longest + sizes.new_tokens > info.max_positions:
         raise subjects.BenchSetupError(f"prompts up to {longest} tokens + {sizes.new_tokens} new tokens exceed "
                                        f"the model's {info.max_positions} positions")
-    ours = single_stream.runtime_systems(runtime, stop=stop, max_seq_len=longest + sizes.new_tokens + 64)
     results: dict = {
         "schema_version": SCHEMA_VERSION,
         "machine": {"platform": platform.platform(), "python": platform.python_version(),
@@ -141,6 +149,43 @@ def run_bench(out: Path, sizes: Sizes, *, engine: Path | None, target: Path | No
             "runtime_dir": chosen.runtime_dir, "target_dir": chosen.target_dir, "dspark_dir": chosen.dspark_dir,
             "dflash_dir": chosen.dflash_dir}.items()}},
     }
+    if standin is not None:
+        results["subjects"]["standin"] = standin.record
+    if sweep_only:
+        results["acceptance_status"] = "skipped: --sweep-only"
+    else:
+        _single_stream(results, runtime, chosen, prompts, sizes, stop=stop, longest=longest, cache=cache,
+                       threads=threads, peers=peers)
+
+    sweep_prompts, _ = subjects.load_prompts(
+        prompts_file, chosen.tokenizer_path, count=min(max(sizes.concurrency), SWEEP_DISTINCT_PROMPTS),
+        length=sizes.sweep_prompt_len, vocab_size=info.vocab_size, avoid=(stop, info.mask_token_id), seed=1)
+    sweep_prompts = [p[: sizes.sweep_prompt_len] for p in sweep_prompts]
+    sweep = dict(concurrency=sizes.concurrency, max_new_tokens=sizes.sweep_new_tokens, stop=stop)
+    results["vllm_reference"] = load_sweep.VLLM_REFERENCE
+    results["load_sweeps"] = [load_sweep.target_sweep(subjects.target_label(chosen), runtime, sweep_prompts, **sweep)]
+    results["cost_model_ms"] = runtime.cost_model.to_dict() if runtime.cost_model else None
+    if standin is not None:
+        standin_runtime = single_stream.load_runtime(standin.runtime_dir, threads=threads)
+        results["load_sweeps"].append(load_sweep.target_sweep(standin.label, standin_runtime, sweep_prompts,
+                                                              standin=standin.record, **sweep))
+    results["machine"]["load_average_after"] = os.getloadavg()
+    results["seconds"] = round(time.perf_counter() - began, 1)
+    return results
+
+
+def _single_stream(results: dict, runtime, chosen, prompts: list[list[int]], sizes: Sizes, *, stop: int,
+                   longest: int, cache: Path, threads: int, peers: bool) -> None:
+    """Acceptance (with checkpoints), single stream against the peers, and loop efficiency, into `results`."""
+    from tqdm import tqdm
+
+    from dspark.models import load_pair
+    from dspark.runtime.reference_decoder import autoregressive_generate
+
+    from .bench import acceptance, replay, single_stream
+    from .bench import peers as peer_systems
+
+    ours = single_stream.runtime_systems(runtime, stop=stop, max_seq_len=longest + sizes.new_tokens + 64)
 
     reference, reference_name = None, "dspark autoregressive (no checkpoint to compare against)"
     if chosen.target_dir is not None:
@@ -179,14 +224,3 @@ def run_bench(out: Path, sizes: Sizes, *, engine: Path | None, target: Path | No
     results["loop_efficiency"] = replay.loop_efficiency(
         runtime, prompts[:4], max_new_tokens=sizes.new_tokens, stop=stop,
         max_seq_len=longest + sizes.new_tokens + 64)
-
-    sweep_prompts, _ = subjects.load_prompts(
-        prompts_file, chosen.tokenizer_path, count=min(max(sizes.concurrency), SWEEP_DISTINCT_PROMPTS),
-        length=sizes.sweep_prompt_len, vocab_size=info.vocab_size, avoid=(stop, info.mask_token_id), seed=1)
-    sweep_prompts = [p[: sizes.sweep_prompt_len] for p in sweep_prompts]
-    results["load_sweep"] = load_sweep.load_sweep(runtime, sweep_prompts, sizes.concurrency,
-                                                  max_new_tokens=sizes.sweep_new_tokens, stop=stop)
-    results["cost_model_ms"] = runtime.cost_model.to_dict() if runtime.cost_model else None
-    results["machine"]["load_average_after"] = os.getloadavg()
-    results["seconds"] = round(time.perf_counter() - began, 1)
-    return results

@@ -6,7 +6,12 @@ aggregate tokens/s (all tokens / wall time), per-request tokens/s (each request'
 time until it finished, averaged), the verification budget the scheduler chose (draft tokens
 verified per request per step, and tokens B per step), the fraction of verified draft tokens
 the target rejected, and the padding the batched verification paid. Schedulers: DSpark's prefix
-scheduler, fixed γ, and autoregressive decoding (`off`), all on one loaded backend.
+scheduler, synchronous (Algorithm 1, `dspark`) and asynchronous (§5.2, `async`), fixed γ, and
+autoregressive decoding (`off`), all on one loaded backend.
+
+`compare` puts each concurrency's rows side by side: every row's ratio to autoregressive
+(aggregate and per-request tokens/s), and whether each scheduler reached the issue's goal,
+aggregate tokens/s >= max(autoregressive, best fixed γ). It reports; nothing asserts it.
 """
 
 from __future__ import annotations
@@ -20,12 +25,23 @@ from tqdm import tqdm
 from dspark.runtime.api import Runtime, RuntimeOptions
 from dspark.runtime.prefix_scheduler import SchedulerConfig
 
+SYNC, ASYNC, AUTOREGRESSIVE = "dspark scheduler", "dspark async scheduler", "autoregressive"
+SCHEDULERS = (SYNC, ASYNC)  # the systems the goal is about
+FIXED = "fixed γ="  # prefix of the fixed-length systems' names
+# vLLM's published figures for DSpark on a large GPU model: throughput ratio to plain decoding by
+# concurrent requests. Their numbers, not ours; drawn and printed beside ours as a reference only.
+VLLM_REFERENCE = {
+    "note": "vLLM's published DSpark numbers on a large GPU model (not measured here)",
+    "adaptive": [[1, 2.66], [16, 1.81], [256, 1.54]],  # [concurrent requests, ratio]
+    "fixed k=7": [[256, 1.20]],
+}
+
 
 def schedulers(block_size: int, has_confidence: bool, gammas: Sequence[int] = (3, 7)) -> dict[str, SchedulerConfig]:
-    configs = {"dspark scheduler": SchedulerConfig("dspark")} if has_confidence else {}
+    configs = {SYNC: SchedulerConfig("dspark"), ASYNC: SchedulerConfig("async")} if has_confidence else {}
     for g in sorted({min(g, block_size) for g in gammas}):
-        configs[f"fixed γ={g}"] = SchedulerConfig("fixed", fixed_length=g)
-    configs["autoregressive"] = SchedulerConfig("off")
+        configs[f"{FIXED}{g}"] = SchedulerConfig("fixed", fixed_length=g)
+    configs[AUTOREGRESSIVE] = SchedulerConfig("off")
     return configs
 
 
@@ -68,7 +84,8 @@ def run_load(base: Runtime, scheduler: SchedulerConfig, prompts: Sequence[list[i
 
 
 def load_sweep(base: Runtime, prompts: Sequence[list[int]], concurrency: Sequence[int], *,
-               max_new_tokens: int, stop: int, progress: bool = True) -> dict[str, list[dict[str, Any]]]:
+               max_new_tokens: int, stop: int, progress: bool = True,
+               desc: str = "load sweep") -> dict[str, list[dict[str, Any]]]:
     """{scheduler name: one row per concurrency}; request i uses prompts[i % len(prompts)].
     Output token lists are dropped from the rows (they are checked, not stored): each row's
     `same_tokens_as_autoregressive` says whether every request matched the `off` run."""
@@ -76,7 +93,7 @@ def load_sweep(base: Runtime, prompts: Sequence[list[int]], concurrency: Sequenc
     jobs = [(name, c) for c in concurrency for name in configs]
     rows: dict[str, list[dict[str, Any]]] = {name: [] for name in configs}
     outputs: dict[tuple[str, int], list[list[int]]] = {}
-    bar = tqdm(jobs, desc="load sweep", unit="run", disable=not progress)
+    bar = tqdm(jobs, desc=desc, unit="run", disable=not progress)
     for name, c in bar:
         bar.set_postfix_str(f"{name}, {c} requests")
         batch = [prompts[i % len(prompts)] for i in range(c)]
@@ -85,5 +102,66 @@ def load_sweep(base: Runtime, prompts: Sequence[list[int]], concurrency: Sequenc
         rows[name].append(row)
     for name, name_rows in rows.items():
         for row, c in zip(name_rows, concurrency, strict=True):
-            row["same_tokens_as_autoregressive"] = outputs[name, c] == outputs["autoregressive", c]
+            row["same_tokens_as_autoregressive"] = outputs[name, c] == outputs[AUTOREGRESSIVE, c]
     return rows
+
+
+def _ratio(value: float, base: float | None) -> float | None:
+    return round(value / base, 3) if base else None
+
+
+def compare(sweep: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """One entry per concurrency (ascending): autoregressive and the best fixed γ (aggregate tok/s),
+    `bar` = the larger of the two, and per scheduler its aggregate and per-request tok/s, their
+    ratios to autoregressive, its ratio to the bar and `meets_goal` (aggregate >= bar).
+
+    Also writes `ratio_to_autoregressive` and `per_request_ratio_to_autoregressive` into every row
+    of `sweep` (None where the concurrency has no autoregressive run). A concurrency without an
+    autoregressive or a fixed-γ run compares against what is there; none at all: bar None and
+    `meets_goal` None."""
+    by_c: dict[int, dict[str, dict[str, Any]]] = {}
+    for name, rows in sweep.items():
+        for r in rows:
+            by_c.setdefault(r["concurrency"], {})[name] = r
+    out = []
+    for c in sorted(by_c):
+        runs = by_c[c]
+        plain = runs.get(AUTOREGRESSIVE)
+        plain_agg = plain["aggregate_tokens_per_second"] if plain else None
+        plain_user = plain["per_request_tokens_per_second"] if plain else None
+        for r in runs.values():
+            r["ratio_to_autoregressive"] = _ratio(r["aggregate_tokens_per_second"], plain_agg)
+            r["per_request_ratio_to_autoregressive"] = _ratio(r["per_request_tokens_per_second"], plain_user)
+        fixed = {n: r["aggregate_tokens_per_second"] for n, r in runs.items() if n.startswith(FIXED)}
+        best_fixed = max(fixed, key=fixed.__getitem__) if fixed else None
+        candidates = [v for v in (plain_agg, fixed.get(best_fixed)) if v is not None]
+        bar = max(candidates) if candidates else None
+        entry: dict[str, Any] = {
+            "concurrency": c, "autoregressive_tokens_per_second": plain_agg,
+            "autoregressive_per_request_tokens_per_second": plain_user, "best_fixed": best_fixed,
+            "best_fixed_tokens_per_second": fixed.get(best_fixed), "bar_tokens_per_second": bar, "schedulers": {}}
+        for name in SCHEDULERS:
+            if name not in runs:
+                continue
+            r = runs[name]
+            value = r["aggregate_tokens_per_second"]
+            entry["schedulers"][name] = {
+                "aggregate_tokens_per_second": value,
+                "per_request_tokens_per_second": r["per_request_tokens_per_second"],
+                "ratio_to_autoregressive": r["ratio_to_autoregressive"],
+                "per_request_ratio_to_autoregressive": r["per_request_ratio_to_autoregressive"],
+                "ratio_to_bar": _ratio(value, bar),
+                "meets_goal": None if bar is None else value >= bar,
+            }
+        out.append(entry)
+    return out
+
+
+def target_sweep(label: str, base: Runtime, prompts: Sequence[list[int]], concurrency: Sequence[int], *,
+                 max_new_tokens: int, stop: int, standin: dict[str, Any] | None = None,
+                 progress: bool = True) -> dict[str, Any]:
+    """The sweep of one target, labelled: {"target": label, "standin": the stand-in's record or None,
+    "schedulers": {name: rows}, "comparison": compare(...)}."""
+    rows = load_sweep(base, prompts, concurrency, max_new_tokens=max_new_tokens, stop=stop, progress=progress,
+                      desc=f"load sweep, {label}")
+    return {"target": label, "standin": standin, "schedulers": rows, "comparison": compare(rows)}

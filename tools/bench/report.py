@@ -47,15 +47,74 @@ def single_stream_table(rows: list[dict[str, Any]]) -> str:
                   out)
 
 
-def sweep_table(sweep: dict[str, list[dict[str, Any]]]) -> str:
+def sweep_table(sweeps: list[dict[str, Any]]) -> str:
+    """Every run of every target, each row labelled with its target."""
     out = []
-    for name, rows in sweep.items():
-        for r in rows:
-            out.append([name, r["concurrency"], r["aggregate_tokens_per_second"], r["per_request_tokens_per_second"],
-                        r["mean_drafts_per_request_step"], r["rejected_draft_fraction"], r["mean_acceptance_length"],
-                        "yes" if r["same_tokens_as_autoregressive"] else "NO"])
-    return _table(["scheduler", "requests", "aggregate tok/s", "per-request tok/s", "drafts/req/step",
-                   "rejected drafts", "τ", "= autoregressive"], out)
+    for sweep in sweeps:
+        for name, rows in sweep["schedulers"].items():
+            for r in rows:
+                out.append([sweep["target"], name, r["concurrency"], r["aggregate_tokens_per_second"],
+                            r["per_request_tokens_per_second"], r.get("ratio_to_autoregressive"),
+                            r.get("per_request_ratio_to_autoregressive"), r["mean_drafts_per_request_step"],
+                            r["mean_verified_tokens_per_step"], r["rejected_draft_fraction"],
+                            r["mean_acceptance_length"], "yes" if r["same_tokens_as_autoregressive"] else "NO"])
+    return _table(["target", "scheduler", "requests", "aggregate tok/s", "per-request tok/s", "÷ autoregressive",
+                   "per-request ÷ autoregressive", "drafts/req/step", "verified tokens/step", "rejected drafts", "τ",
+                   "= autoregressive"], out)
+
+
+def _met(check: dict[str, Any] | None) -> str | None:
+    if check is None or check["meets_goal"] is None:
+        return None
+    return "yes" if check["meets_goal"] else "no"
+
+
+def goal_table(sweeps: list[dict[str, Any]]) -> str:
+    """Per target and concurrency: the bar max(autoregressive, best fixed γ) and each scheduler against it."""
+    from .load_sweep import SCHEDULERS
+
+    out = []
+    for sweep in sweeps:
+        for e in sweep["comparison"]:
+            best = None if e["best_fixed"] is None else f"{e['best_fixed_tokens_per_second']:.1f} ({e['best_fixed']})"
+            cells = []
+            for name in SCHEDULERS:
+                check = e["schedulers"].get(name)
+                cells += [None if check is None else check["aggregate_tokens_per_second"],
+                          None if check is None else check["ratio_to_bar"], _met(check)]
+            out.append([sweep["target"], e["concurrency"], e["autoregressive_tokens_per_second"], best, *cells])
+    header = ["target", "requests", "autoregressive tok/s", "best fixed γ tok/s"]
+    for name in SCHEDULERS:
+        header += [f"{name} tok/s", "÷ bar", "≥ bar"]
+    return _table(header, out)
+
+
+def goal_summary(sweeps: list[dict[str, Any]]) -> str:
+    """One line per target and scheduler: at how many concurrencies it met the bar, and its
+    per-request speed ÷ autoregressive at 1 and 16 requests (the stand-in's goals: ≥ 2×, ≥ 1.3×)."""
+    from .load_sweep import SCHEDULERS
+
+    lines = []
+    for sweep in sweeps:
+        for name in SCHEDULERS:
+            checks = [(e["concurrency"], e["schedulers"][name]) for e in sweep["comparison"] if name in e["schedulers"]]
+            judged = [(c, x) for c, x in checks if x["meets_goal"] is not None]
+            if not judged:
+                continue
+            missed = [str(c) for c, x in judged if not x["meets_goal"]]
+            user = {c: x["per_request_ratio_to_autoregressive"] for c, x in checks}
+            speeds = ", ".join(f"{user[c]:.2f}× at {c}" for c in (1, 16) if user.get(c) is not None)
+            lines.append(f"- {sweep['target']}, {name}: ≥ max(autoregressive, best fixed γ) at "
+                         f"{len(judged) - len(missed)} of {len(judged)} concurrencies"
+                         + (f" (not at {', '.join(missed)} requests)" if missed else "")
+                         + (f"; per-request speed ÷ autoregressive {speeds}" if speeds else ""))
+    return "\n".join(lines)
+
+
+def vllm_reference_line(reference: dict[str, Any]) -> str:
+    parts = [f"{key} " + ", ".join(f"{ratio:.2f}× at {c}" for c, ratio in reference[key])
+             for key in ("adaptive", "fixed k=7") if reference.get(key)]
+    return f"For reference, {reference['note']}: throughput ÷ plain decoding, {'; '.join(parts)} requests."
 
 
 def markdown(results: dict[str, Any]) -> str:
@@ -74,7 +133,18 @@ def markdown(results: dict[str, Any]) -> str:
                  e["graph_calls_per_request"]] for mode, e in results["loop_efficiency"].items()]
         parts += ["### Loop efficiency (replay of the same graph calls ÷ the engine's time; 1.0 = no host glue)",
                   _table(["scheduler", "min", "median", "engine ms", "replay ms", "graph calls"], rows)]
-    if results.get("load_sweep"):
+    sweeps = results.get("load_sweeps")
+    if sweeps:
+        for sweep in sweeps:
+            if sweep.get("standin"):
+                parts += [f"**{sweep['target']}**: {sweep['standin']['label']}."]
         parts += [f"### Load sweep ({results['config']['sweep_new_tokens']} new tokens per request)",
-                  sweep_table(results["load_sweep"])]
+                  sweep_table(sweeps),
+                  "### Goal: scheduler ≥ max(autoregressive, best fixed γ), aggregate tok/s (as measured)",
+                  goal_table(sweeps)]
+        summary = goal_summary(sweeps)
+        if summary:
+            parts.append(summary)
+        if results.get("vllm_reference"):
+            parts.append(vllm_reference_line(results["vllm_reference"]))
     return "\n\n".join(parts) + "\n"

@@ -5,6 +5,11 @@ the checkpoint files' sizes and modification times, so a second run reuses it. W
 the runtime loads that directory as given; the checkpoint folders (needed by the acceptance
 study and the peers, which run the Hugging Face target) then come only from `--target`,
 `--drafter` and `--dflash`, and whatever needs a missing one is reported as skipped.
+
+`--standin` adds a second target to the load sweep: the COST STAND-IN of the target checkpoint
+(`dspark.models.inflate`), made into the user cache by `dspark train standin`'s own code unless a
+current one is there, then exported and built with the same drafter into the bench's cache like
+the pair itself. Its label, wherever it is reported, is `COST STAND-IN target (<params>)`.
 """
 
 from __future__ import annotations
@@ -63,6 +68,80 @@ def cached_engine_dir(target_dir: Path, drafter_dir: Path, cache: Path) -> Path:
 
     root = cache / f"engine-{checkpoint_key(target_dir, drafter_dir)}"
     return cached_engine(target_dir, drafter_dir, root, show_progress=False)
+
+
+def target_label(chosen: Subjects) -> str:
+    """How the sweep names the pair's own target: 'demo target (5.2M)', 'target PARENT/NAME (…)', or the engine."""
+    if chosen.target_dir is None:
+        return f"engine {chosen.runtime_dir.name}"
+    from dspark.models import TargetConfig
+    from dspark.models.inflate import count_params, format_params, read_standin
+
+    folder = chosen.target_dir
+    if read_standin(folder) is not None:  # given a stand-in as --target: say so all the same
+        return standin_label_short(folder)
+    params = format_params(count_params(TargetConfig.from_folder(folder)))
+    if chosen.source == "demo":
+        return f"demo target ({params})"
+    folder = folder.resolve()
+    return f"target {folder.parent.name}/{folder.name} ({params})"
+
+
+def standin_label_short(folder: Path) -> str:
+    """'COST STAND-IN target (100M)': the label of every stand-in figure and table row."""
+    from dspark.models.inflate import format_params, read_standin
+
+    return f"COST STAND-IN target ({format_params(int(read_standin(folder)['params']))})"
+
+
+@dataclass(frozen=True)
+class Standin:
+    checkpoint_dir: Path  # the inflated target (user cache)
+    runtime_dir: Path  # its engine with the pair's drafter (bench cache)
+    label: str  # COST STAND-IN target (<params>)
+    record: dict  # the checkpoint's dspark_standin section, with the one-line label and the folders
+
+
+def standin_checkpoint(chosen: Subjects, params_text: str, *, progress: bool = True) -> Path:
+    """The stand-in of the chosen target with >= `params_text` parameters, in the user cache
+    (<cache>/standin-<params>, as `dspark train standin` names it), made by that command's code
+    unless it is already there and current."""
+    import click
+
+    from dspark.models import TargetConfig
+    from dspark.models.inflate import InflateError, count_params, format_params, parse_params, plan_inflation
+    from dspark.tools.demo_engine import cache_root
+    from dspark.tools.train_command import standin_command
+
+    if chosen.target_dir is None or chosen.dspark_dir is None:
+        raise BenchSetupError("--standin inflates the target checkpoint: use the bundled demo pair or give "
+                              "--target and --drafter (an --engine alone has no checkpoint to inflate)")
+    demo = chosen.source == "demo"
+    try:
+        config = TargetConfig.from_folder(chosen.target_dir)
+        params = parse_params(params_text, count_params(config))
+        plan_inflation(config, params)
+    except InflateError as exc:
+        raise BenchSetupError(f"--standin-params: {exc}") from exc
+    name = format_params(params) if demo else f"{chosen.target_dir.resolve().name}-{format_params(params)}"
+    out = cache_root() / f"standin-{name}"
+    try:
+        standin_command.callback(target_dir=None if demo else chosen.target_dir, params_text=params_text,
+                                 out=out, force=False, progress=progress)
+    except click.ClickException as exc:
+        raise BenchSetupError(f"--standin: {exc.format_message()}") from exc
+    return out
+
+
+def resolve_standin(chosen: Subjects, params_text: str, cache: Path, *, progress: bool = True) -> Standin:
+    """The stand-in checkpoint (made if needed) and its cached engine with the pair's drafter."""
+    from dspark.models.inflate import read_standin, standin_label
+
+    checkpoint = standin_checkpoint(chosen, params_text, progress=progress)
+    runtime_dir = cached_engine_dir(checkpoint, chosen.dspark_dir, cache)
+    record = {**read_standin(checkpoint), "label": standin_label(checkpoint), "checkpoint_dir": str(checkpoint),
+              "runtime_dir": str(runtime_dir), "drafter_dir": str(chosen.dspark_dir)}
+    return Standin(checkpoint, runtime_dir, standin_label_short(checkpoint), record)
 
 
 def resolve(engine: Path | None, target: Path | None, drafter: Path | None, dflash: Path | None,
