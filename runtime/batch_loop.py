@@ -3,8 +3,9 @@
 One `step()`:
   admit     queued requests that fit (slots, token budget) are prefilled in one target call
             (`StepBatch.prompts`); their first token (the anchor) is sampled from the prefill logits
-  propose   the drafter backbone over every request's new context rows and its block, then the
-            heads (`DrafterRunner`), unless the drafting gate judges drafting cannot pay
+  propose   the drafter backbone over each drafting request's new context rows and its block, then
+            the heads (`DrafterRunner`); the drafting gate picks which requests draft: all, a few
+            (a probe) or none, where its cost table says drafting cannot pay (`drafting_gate`)
   schedule  lengths ℓ_r (`StepScheduler`: Algorithm 1, fixed, threshold, off, ...)
   verify    one target call over `StepBatch.chains` (`TargetRunner`), the acceptance rule for all
             rows at once (`verify_chains`)
@@ -23,7 +24,7 @@ import itertools
 import time
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -37,6 +38,7 @@ from .kv_cache import Admission, Capacity, SlotCache
 from .model_info import ModelInfo
 from .monitor import Monitor
 from .prefix_scheduler import Decision, SchedulerConfig, StepScheduler
+from .proposer import DraftBlock
 from .requests import find_stop, stop_set, validate_request
 from .sampling import sample_rows
 from .stats import EngineStats, RequestResult, StepRecord
@@ -87,8 +89,11 @@ class BatchEngine:
         self.backend, self.info, self.scheduler = backend.open(), info, scheduler  # its owner closes it
         self.cost_model, self.monitor = cost_model, monitor
         self.planner = StepScheduler(scheduler)
-        self.gate = (DraftingGate(cost_model) if scheduler.mode == "dspark" and scheduler.gate_drafting
-                     and isinstance(cost_model, SplitStepCost) else None)
+        self.gate = (DraftingGate(cost_model, block_size=info.block_size,
+                                  temperatures=scheduler.confidence_temperatures,
+                                  padded=scheduler.pricing == "padded")
+                     if scheduler.mode == "dspark" and scheduler.gate_drafting and isinstance(cost_model, SplitStepCost)
+                     else None)
         self.admission = Admission(capacity)
         slots, length = capacity.max_requests, capacity.max_seq_len
         self.target_kv = SlotCache(info.target_cache, slots, length)
@@ -181,21 +186,24 @@ class BatchEngine:
         starts = np.fromiter((a.start for a in active), np.int64, rows)
         temperatures = [a.temperature for a in active]
         generators = [a.generator for a in active]
-        block = None
-        drafting = self.scheduler.needs_drafts and (self.gate is None or self.gate.should_draft(rows))
-        if drafting:
-            hidden, base_logits = self.drafter.draft(anchors, starts, [a.pending for a in active])
-            for a in active:
-                a.pending = []
-            begin = _phase(seconds, "draft", begin)
-            block = self.drafter.propose(hidden, base_logits, anchors, temperatures, generators)
-            begin = _phase(seconds, "heads", begin)
+        block, plan = None, None
+        drafting = np.arange(rows) if self.scheduler.needs_drafts else np.arange(0)  # rows that draft
+        if self.gate is not None:
+            plan = self.gate.plan(np.fromiter((sum(len(c) for c in a.pending) for a in active), np.int64, rows))
+            drafting = plan.rows
+        if len(drafting):
+            block = self._propose(drafting, anchors, starts, temperatures, generators, seconds, begin)
+            begin = time.perf_counter()
         confidence = None if block is None or block.confidence_logits is None else torch.as_tensor(
             block.confidence_logits)
-        if drafting or not self.scheduler.needs_drafts:
+        if block is not None or not self.scheduler.needs_drafts:
             decision = self.planner.decide(requests=rows, block_size=self.info.block_size,
                                            confidence_logits=confidence,
                                            step_seconds=self.cost_model.seconds if self.cost_model else None)
+            if len(drafting) < rows and self.scheduler.needs_drafts:  # rows that did not draft verify their anchor
+                lengths = np.zeros(rows, np.int64)
+                lengths[drafting] = np.asarray(decision.lengths, dtype=np.int64)[drafting]
+                decision = replace(decision, lengths=tuple(lengths.tolist()))
         else:
             decision = Decision((0,) * rows, None, None, 0)
         begin = _phase(seconds, "schedule", begin)
@@ -205,9 +213,8 @@ class BatchEngine:
         begin = _phase(seconds, "verify", begin)
         accepted = self._reconcile(batch, out, block, temperatures, generators)
         _phase(seconds, "commit", begin)
-        if self.gate is not None:
-            self.gate.record(drafted=drafting, requests=rows, expected_accepts=decision.expected_accepts,
-                             verified_tokens=batch.tokens)
+        if plan is not None:
+            self.gate.record(plan, confidence)
         load = self.monitor.sample() if self.monitor else None
         record = StepRecord(
             step=self._step, requests=rows, admitted_new=len(new), lengths=list(decision.lengths),
@@ -218,15 +225,46 @@ class BatchEngine:
             cpu_percent=None if load is None else load.cpu_percent,
             gpu_percent=None if load is None else load.gpu_percent,
             confidence_logits=None if confidence is None else confidence.clone(),
-            drafted=drafting,
+            drafted=self.scheduler.needs_drafts and len(drafting) == rows,  # a probe's few rows: False
         )
         self.stats.record(record)
         observe = getattr(self.cost_model, "observe", None)
         if observe is not None:  # a live cost model learns the machine's current speed
-            observe(record)
+            observe(record if plan is None else self.gate.observed(record, plan))
         self._retire()
         self._step += 1
         return record
+
+    def _propose(self, drafting: np.ndarray, anchors: np.ndarray, starts: np.ndarray, temperatures: list[float],
+                 generators: list[torch.Generator | None], seconds: dict[str, float], begin: float) -> DraftBlock:
+        """Draft for active rows `drafting` [k] -> a block over all R rows: rows that did not draft
+        have confidence −inf (survival 0: Algorithm 1 gives them length 0) and no drafts."""
+        active, rows = self.active, len(self.active)
+        every = len(drafting) == rows
+        out = self.drafter.draft(anchors[drafting], starts[drafting], [active[r].pending for r in drafting],
+                                 None if every else drafting)
+        for r in drafting:
+            active[r].pending = []
+        begin = _phase(seconds, "draft", begin)
+        order = drafting[out.order]  # the active row of each drafted row
+        block = self.drafter.propose(out.hidden, out.base_logits, anchors[order], [temperatures[r] for r in order],
+                                     [generators[r] for r in order])
+        _phase(seconds, "heads", begin)
+        if every and (order == drafting).all():
+            return block
+        tokens = np.zeros((rows, self.info.block_size), np.int64)  # [R, γ]
+        tokens[order] = np.asarray(block.tokens)
+        confidence = None
+        if block.confidence_logits is not None:
+            confidence = torch.full((rows, self.info.block_size), -torch.inf)  # [R, γ]
+            confidence[torch.from_numpy(order)] = torch.as_tensor(block.confidence_logits).float()
+        logits = None  # [R, γ, V]: read for sampling rows only
+        sampled = [i for i, r in enumerate(order) if temperatures[r] > 0]
+        if sampled:
+            source = torch.as_tensor(block.logits)
+            logits = torch.zeros((rows, *source.shape[1:]), dtype=source.dtype)
+            logits[torch.from_numpy(order[sampled])] = source[sampled]
+        return DraftBlock(tokens, logits, confidence)
 
     def _admit(self) -> list[_Active]:
         new = []

@@ -3,13 +3,24 @@ then the sequential heads (one greedy-block call, or slot by slot when any reque
 
 Context features reach the drafter late: the target produces them while verifying, the drafter
 consumes them the next time it drafts (several steps' worth if the drafting gate skipped some).
-Each request's unconsumed rows are a list of [n, F] chunks; `draft` scatters all of them into the
-backbone's [R, ctx, F] feed at once and appends their keys/values to the drafter's slot cache.
+Each request's unconsumed rows are a list of [n, F] chunks; `draft` scatters them into the
+backbone's [rows, ctx, F] feed and appends their keys/values to the drafter's slot cache.
+
+Any slot rows can draft (`rows`: the drafting gate's probes draft a few), and a backlog is paid
+by its own row. The feed is padded to the longest backlog in the call, so one request catching up
+(a new prompt, or context skipped while the gate kept the drafter off) would make every row of
+the call pay its length. `split_calls` prices a call as rows × (1 + CONTEXT_ROW_COST · longest
+backlog) plus CALL_ROWS, and runs the rows with long backlogs as a second call when that is
+cheaper; both calls write into the same output buffers, so the heads still run once.
+Measured on the demo pair's ORT engine (2-core CPU, min of 7): a backbone + greedy head call
+costs 0.42 ms per row at 1 context row and 0.008–0.011 ms more per row and context row
+(R = 16, 64; ctx 1 → 128), i.e. 0.02–0.03 of a row; a call's fixed cost is about 1.5–2 rows.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -17,9 +28,38 @@ import torch
 from dspark.export import contract as C
 
 from .backend import Backend, BoundCall, as_torch
-from .kv_cache import SlotCache
+from .kv_cache import CapacityError, SlotCache
 from .model_info import ModelInfo
 from .proposer import DraftBlock, propose_rows
+
+CONTEXT_ROW_COST = 0.025  # one context row beyond a normal step's, as a fraction of one row's drafting
+CALL_ROWS = 2.0  # a backbone call's fixed cost, in rows of drafting
+
+
+def split_calls(counts: np.ndarray) -> list[np.ndarray]:  # counts [k] context rows per row
+    """Positions 0..k-1 grouped into backbone calls, in output order: one call (positions in
+    order) unless putting the rows with the longest backlogs in a second call costs less than
+    padding every row to them (module docstring)."""
+    k = len(counts)
+    if k < 2 or counts.max() == counts.min():
+        return [np.arange(k)]
+    order = np.argsort(counts, kind="stable")
+    padded = 1.0 + CONTEXT_ROW_COST * counts[order]  # a row's cost, padded to its own backlog
+    s = np.arange(1, k)  # the first call takes order[:s]
+    split = s * padded[s - 1] + (k - s) * padded[-1] + CALL_ROWS
+    best = int(np.argmin(split))
+    if split[best] >= k * padded[-1]:
+        return [np.arange(k)]
+    return [order[: best + 1], order[best + 1 :]]
+
+
+@dataclass
+class Drafted:
+    """The backbone's block outputs for the rows drafted, k = rows, in `order`."""
+
+    hidden: np.ndarray  # [k, γ, H]
+    base_logits: np.ndarray | None  # [k, γ, V]
+    order: np.ndarray  # [k] output row i is the caller's row order[i] (identity unless calls were split)
 
 
 class DrafterRunner:
@@ -35,14 +75,31 @@ class DrafterRunner:
 
     def draft(
         self,
-        anchors: np.ndarray,  # [R] last committed token of each request
-        starts: np.ndarray,  # [R] anchor positions
+        anchors: np.ndarray,  # [k] last committed token of each request
+        starts: np.ndarray,  # [k] anchor positions
         pending: Sequence[Sequence[np.ndarray]],  # per request: [n, F] context chunks not yet seen
-    ) -> tuple[np.ndarray, np.ndarray | None]:
-        """Backbone forward for rows 0..R-1 -> block_hidden [R, γ, H], base_logits [R, γ, V] (or None)."""
-        rows, gamma, dtype = len(anchors), self.info.block_size, self.kv.keys[0].dtype
+        rows: np.ndarray | None = None,  # [k] their slot rows (None: 0..k-1)
+    ) -> Drafted:
+        """Backbone forward for the given slot rows -> block_hidden [k, γ, H], base_logits [k, γ, V]
+        (or None), in `order` (the caller's order unless rows with long backlogs ran apart)."""
+        k = len(anchors)
+        slots = np.arange(k) if rows is None else np.asarray(rows, dtype=np.int64)
         counts = np.array([sum(len(c) for c in chunks) for chunks in pending], dtype=np.int64)
-        cached = self.kv.lengths[:rows]
+        calls = split_calls(counts)
+        first = 0
+        for call in calls:
+            self._backbone(anchors[call], starts[call], [pending[i] for i in call], counts[call], slots[call], first)
+            first += len(call)
+        outputs = self._outputs(C.BACKBONE, k)
+        order = calls[0] if len(calls) == 1 else np.concatenate(calls)
+        return Drafted(outputs["block_hidden"], outputs.get("base_logits"), order)
+
+    def _backbone(self, anchors: np.ndarray, starts: np.ndarray, pending: Sequence[Sequence[np.ndarray]],
+                  counts: np.ndarray, slots: np.ndarray, first: int) -> None:
+        """One backbone call over slot rows `slots`; its block outputs land in rows first.. of the buffers."""
+        rows, gamma, dtype = len(anchors), self.info.block_size, self.kv.keys[0].dtype
+        contiguous = bool(slots[-1] - slots[0] == rows - 1 and (np.diff(slots) == 1).all())
+        cached = self.kv.lengths[slots]
         past, ctx = int(cached.max()), int(counts.max())
         features = np.zeros((rows, ctx, self.info.context_feature_size), dtype)
         which = np.repeat(np.arange(rows), counts)
@@ -50,7 +107,7 @@ class DrafterRunner:
         features[which, within] = np.concatenate([c for chunks in pending for c in chunks])
         cols = np.arange(past + ctx + gamma)[None, :]
         visible = ((cols < cached[:, None]) | ((cols >= past) & (cols < past + counts[:, None]))
-                   | (cols >= past + ctx))  # [R, keys]: own cached rows, own new rows, the block
+                   | (cols >= past + ctx))  # [rows, keys]: own cached rows, own new rows, the block
         block_ids = np.full((rows, gamma), self.info.mask_token_id, dtype=np.int64)
         block_ids[:, 0] = anchors
         feeds = {
@@ -61,20 +118,44 @@ class DrafterRunner:
             "attention_mask": np.ascontiguousarray(np.broadcast_to(visible[:, None, None, :],
                                                                    (rows, 1, gamma, visible.shape[1]))),
         }
-        layers = [np.ascontiguousarray(t) for kv in self.kv.past(0, rows, past) for t in kv]  # [R, kvh, past, hd]
+        if contiguous:  # [rows, kvh, past, hd]
+            layers = [np.ascontiguousarray(t) for kv in self.kv.past(int(slots[0]), rows, past) for t in kv]
+        else:
+            layers = [buf[slots, :, :past] for buf in self.kv.kv]  # a gather: a copy, contiguous
         feeds.update(zip(C.kv_names("past_context", len(layers) // 2), layers, strict=True))
         present = [np.empty((rows, t.shape[1], past + ctx, t.shape[3]), dtype) for t in layers]
-        outputs = self._outputs(C.BACKBONE, rows)
+        outputs = self._outputs(C.BACKBONE, rows, first)
         outputs.update(zip(C.kv_names("present_context", len(layers) // 2), present, strict=True))
         self.backend.run_into(C.BACKBONE, feeds, outputs)
-        self.kv.write(list(zip(present[::2], present[1::2], strict=True)), source_offset=past, counts=counts)
-        return outputs["block_hidden"], outputs.get("base_logits")
+        pairs = list(zip(present[::2], present[1::2], strict=True))
+        if contiguous:
+            self.kv.write(pairs, source_offset=past, counts=counts, first_row=int(slots[0]))
+        else:
+            self._write_slots(pairs, past, counts, slots)
 
-    def _outputs(self, graph: str, rows: int) -> dict[str, np.ndarray]:
-        """[rows, ...] views of the flat buffers for `graph`'s block outputs."""
-        specs = self.backend.specs[graph].outputs
-        return {t.name: self._buffers[t.name][: rows * int(np.prod(t.dims[1:]))].reshape(rows, *t.dims[1:])
-                for t in specs if t.name in self._buffers}
+    def _write_slots(self, present: list[tuple[np.ndarray, np.ndarray]], past: int, counts: np.ndarray,
+                     slots: np.ndarray) -> None:
+        """SlotCache.write for slot rows that are not one contiguous range."""
+        row = np.repeat(np.arange(len(counts)), counts)
+        if not row.size:
+            return
+        within = np.arange(row.size) - np.repeat(np.cumsum(counts) - counts, counts)
+        dst = self.kv.lengths[slots][row] + within
+        if dst.max() >= self.kv.max_len:
+            raise CapacityError(f"KV slot overflow: position {int(dst.max())} >= slot length {self.kv.max_len}")
+        for (k, v), buf_k, buf_v in zip(present, self.kv.keys, self.kv.values, strict=True):
+            buf_k[slots[row], :, dst] = k[row, :, past + within]
+            buf_v[slots[row], :, dst] = v[row, :, past + within]
+        self.kv.lengths[slots] += counts
+
+    def _outputs(self, graph: str, rows: int, first: int = 0) -> dict[str, np.ndarray]:
+        """[rows, ...] views of the flat buffers for `graph`'s block outputs, from buffer row `first`."""
+        views = {}
+        for t in self.backend.specs[graph].outputs:
+            if t.name in self._buffers:
+                size = int(np.prod(t.dims[1:]))
+                views[t.name] = self._buffers[t.name][first * size : (first + rows) * size].reshape(rows, *t.dims[1:])
+        return views
 
     def propose(
         self,

@@ -1,24 +1,65 @@
-"""Whether a step should draft at all: the prefix scheduler's cost argument applied to the drafter.
+"""Which requests draft this step: the prefix scheduler's cost argument applied to the drafter.
 
 Algorithm 1 decides how many drafted tokens to verify, but the drafter forward and the
 sequential head are paid before it runs. Where verification is compute-bound (a CPU under load),
 drafting can cost more than every admissible draft returns; then plain decoding through the same
-loop is faster. With a cost model that prices drafting and verification separately (an engine's
-measured table), the gate compares
+loop is faster. Each step `plan` picks the rows that draft: all of them, a few (a probe), or none.
 
-    Θ_draft = R·(1 + g) / (draft(R) + verify(R, R·(1 + d)))    and    Θ_plain = R / verify(R, R)
+The comparison. With a cost model that prices drafting and verification apart (an engine's
+measured table, or `live_cost.LiveSplitStepCost` over it), and a pool of recent survival rows
+a_j = Π_{i≤j} σ(c_i / T_i) (the STS-calibrated confidences Algorithm 1 saw, last `pool_rows`
+drafted rows), the gate runs Algorithm 1 as it would go over R rows like those of the pool (each
+pool candidate standing for R / pool-size candidates): τ_m = R + (R/P)·Σ_{i≤m} a_(i),
+B_m = R + (R/P)·m, Θ_m = τ_m / (draft + verify(R, B_m)), up to the first m where Θ drops (with
+`padded` verification pricing, depth by depth: τ_d = R·(1 + Σ_{j≤d} mean_pool a_j), B_d = R·(1 + d)),
+and drafts every row when
 
-where g and d are the expected accepted and verified drafts per request of recent drafting steps
-(exponential averages of Algorithm 1's own τ* and B*). It drafts when Θ_draft > Θ_plain, when it
-has no estimate yet, and once every `probe_every` skipped steps to refresh g and d.
+    Θ_draft = Θ_m*  >  Θ_plain = R / verify(R, R).
 
-Lossless: the decision uses only steps already committed, never this step's draft tokens, and each
-step's verification is exact whatever was (or was not) drafted.
+The prior, before any row has drafted: the table from the first step, with a pool of one row
+a_j = α^j, α = `prior_acceptance` = 0.5 per slot. engine.json carries STS temperatures but no
+acceptance rate, and confidences exist only once something has drafted, so the prior is a
+constant; 0.5 is below what DSpark drafters accept (the demo pair: 0.72–0.89 per slot greedy,
+0.65–0.79 at T = 1, models/demo/README.md), on purpose: a low prior costs at most one step in
+which R − probe_rows rows verify only their anchor, a high one costs the blind full drafting of
+every request that this gate exists to avoid (measured: +116 ms of a 1212 ms run at 64 requests).
+Where the table says drafting pays even at α = 0.5 (one request, a memory-bound target) the
+first step drafts every row; otherwise it probes.
+
+Probes. At the first step and after `probe_every` steps without drafting, the `probe_rows` rows
+with the smallest backlogs draft (cheapest to catch up; R ≤ probe_rows: all of them); their
+confidences refresh the pool. The other rows verify their anchor only: the engine gives them
+confidence −inf, survival 0, so they are no candidate of Algorithm 1 and their length is 0.
+The price: the drafter over ≤ probe_rows rows, against R rows before.
+
+Catch-up. A row that skipped drafting has a backlog: the context rows it has not fed to the
+drafter (its prompt if it never drafted, one row per skipped step). A normal drafting step feeds
+up to γ + 1 rows per row (what the table's draft(R) covers); each row beyond that costs
+`drafter_runner.CONTEXT_ROW_COST` of a row's drafting, and the runner splits calls so that a
+backlog is paid by its own row, not by every row padded to it. That share, Σ_r excess_r, is paid
+once and lets the rows draft on from then on, so deciding to draft all rows charges it spread
+over `catch_up_steps` steps; the live cost model observes drafting normalised to a normal step
+of all R rows (`observed`), so neither a catch-up nor a probe of a few rows skews what it learns
+of the drafter's speed.
+
+Lossless: which rows draft depends only on committed history (backlogs, earlier steps'
+confidences and timings), never on this step's draft tokens; a row that does not draft verifies
+its anchor, a row that does goes through Algorithm 1 as ever, and each step's verification is
+exact whatever was (or was not) drafted.
 """
 
 from __future__ import annotations
 
+from collections import deque
+from dataclasses import dataclass, replace
 from typing import Protocol, runtime_checkable
+
+import numpy as np
+import torch
+
+from .drafter_runner import CONTEXT_ROW_COST
+from .prefix_scheduler import survival
+from .stats import StepRecord
 
 
 @runtime_checkable
@@ -30,33 +71,115 @@ class SplitStepCost(Protocol):
     def verify_seconds(self, requests: int, tokens: int) -> float: ...
 
 
-class DraftingGate:
-    def __init__(self, cost: SplitStepCost, *, probe_every: int = 16, smoothing: float = 0.3) -> None:
-        self.cost, self.probe_every, self.smoothing = cost, probe_every, smoothing
-        self.accepted_per_request: float | None = None  # g: expected accepted drafts per request
-        self.verified_per_request: float | None = None  # d: drafts sent to verification per request
-        self.skipped = 0
+@dataclass(frozen=True)
+class GatePlan:
+    """One step's drafting: which active rows draft, and what the gate expects it to cost."""
 
-    def should_draft(self, requests: int) -> bool:
-        if self.accepted_per_request is None or self.skipped >= self.probe_every:
-            return True
-        g, d = self.accepted_per_request, self.verified_per_request
-        drafting = requests * (1 + g) / (
-            self.cost.draft_seconds(requests) + self.cost.verify_seconds(requests, round(requests * (1 + d))))
-        plain = requests / self.cost.verify_seconds(requests, requests)
+    requests: int  # R active rows
+    rows: np.ndarray  # [k] active rows that draft, ascending (empty: none; 0..R-1: all)
+    price: float  # predicted seconds of drafting them, their whole backlogs included (0.0 if none)
+    normal: float  # predicted seconds of a normal drafting step of all R rows
+
+    @property
+    def all(self) -> bool:
+        return len(self.rows) == self.requests
+
+    @property
+    def probe(self) -> bool:
+        return 0 < len(self.rows) < self.requests
+
+
+class DraftingGate:
+    """Asked once a step (`plan`), told what the step saw (`record`). `padded`: Algorithm 1 prices
+    verification as [R, W] rows (SchedulerConfig.pricing), so the gate predicts it depth by depth."""
+
+    def __init__(self, cost: SplitStepCost, *, block_size: int, probe_every: int = 16, probe_rows: int = 4,
+                 prior_acceptance: float = 0.5, pool_rows: int = 64, catch_up_steps: int = 16,
+                 temperatures: tuple[float, ...] | None = None, padded: bool = False) -> None:
+        if min(block_size, probe_every, probe_rows, pool_rows, catch_up_steps) < 1:
+            raise ValueError("block_size, probe_every, probe_rows, pool_rows and catch_up_steps must be >= 1")
+        if not 0.0 <= prior_acceptance < 1.0:
+            raise ValueError(f"prior_acceptance must lie in [0, 1), got {prior_acceptance}")
+        self.cost, self.block_size, self.temperatures, self.padded = cost, block_size, temperatures, padded
+        self.probe_every, self.probe_rows, self.catch_up_steps = probe_every, probe_rows, catch_up_steps
+        self.prior = prior_acceptance ** np.arange(1, block_size + 1)  # [γ] survival of the prior row
+        self.pool: deque[np.ndarray] = deque(maxlen=pool_rows)  # [γ] survival rows of recent drafted rows
+        self.skipped = 0  # steps since rows last drafted
+        # the pool's survivals > 0, descending, and its mean survival per depth [γ]; None: to build
+        self._candidates: tuple[np.ndarray, np.ndarray] | None = None
+
+    # -- the decision ---------------------------------------------------------------------------
+    def plan(self, backlogs: np.ndarray) -> GatePlan:  # backlogs [R] context rows each row has not fed
+        """The rows that draft this step (module docstring)."""
+        requests = len(backlogs)
+        normal = float(self.cost.draft_seconds(requests))
+        every = np.arange(requests)
+        excess = self._excess(backlogs)
+        amortised = normal * (1.0 + CONTEXT_ROW_COST * excess.sum() / (requests * self.catch_up_steps))
+        if self.drafting_pays(requests, amortised):
+            return GatePlan(requests, every, self._price(backlogs), normal)
+        if self.pool and self.skipped < self.probe_every:
+            return GatePlan(requests, every[:0], 0.0, normal)
+        rows = every if requests <= self.probe_rows else np.sort(
+            np.argsort(backlogs, kind="stable")[: self.probe_rows])
+        return GatePlan(requests, rows, self._price(backlogs[rows]), normal)
+
+    def drafting_pays(self, requests: int, draft_seconds: float) -> bool:
+        """Θ_draft > Θ_plain at R rows, drafting costing `draft_seconds`."""
+        drafting, plain = self.throughputs(requests, draft_seconds)
         return drafting > plain
 
-    def record(self, *, drafted: bool, requests: int, expected_accepts: float | None, verified_tokens: int) -> None:
-        """After a step: Algorithm 1's τ* (expected accepted tokens, bonus included) and B*."""
-        if not drafted or expected_accepts is None:
+    def throughputs(self, requests: int, draft_seconds: float) -> tuple[float, float]:
+        """(Θ_draft, Θ_plain) in tokens/s: Algorithm 1 over R rows like the pool's, up to its first drop."""
+        tau, tokens = self._path(requests)
+        theta = tau / (draft_seconds + np.asarray(self.cost.verify_seconds(requests, tokens), dtype=np.float64))
+        drops = np.flatnonzero(theta[1:] <= theta[:-1])
+        best = float(theta[drops[0]] if drops.size else theta[-1])
+        return best, requests / float(self.cost.verify_seconds(requests, requests))
+
+    def _path(self, requests: int) -> tuple[np.ndarray, np.ndarray]:
+        """Algorithm 1's admission path over R rows like the pool's: expected accepts τ [n] and
+        verified tokens B [n], from no draft on. Packed: candidates by descending survival, each
+        pool candidate standing for R / P; padded (`padded`): depth by depth, B = R·(1 + depth)."""
+        if self._candidates is None:
+            pool = np.stack(self.pool) if self.pool else self.prior[None, :]  # [P, γ]
+            a = pool[pool > 0]
+            self._candidates = (-np.sort(-a), pool.mean(axis=0))
+        ranked, depths = self._candidates
+        if self.padded:
+            depths = depths[: int(np.count_nonzero(depths > 0))]
+            tau = requests * (1.0 + np.concatenate(([0.0], np.cumsum(depths))))
+            return tau, requests * (1 + np.arange(depths.size + 1))
+        per = requests / (len(self.pool) or 1)  # candidates of R rows per pool candidate
+        tau = requests + per * np.concatenate(([0.0], np.cumsum(ranked)))
+        return tau, requests + np.rint(per * np.arange(ranked.size + 1)).astype(np.int64)
+
+    def _excess(self, backlogs: np.ndarray) -> np.ndarray:
+        """Context rows beyond what a normal drafting step feeds (γ + 1 a row)."""
+        return np.maximum(np.asarray(backlogs, dtype=np.int64) - (self.block_size + 1), 0)
+
+    def _price(self, backlogs: np.ndarray) -> float:
+        """Predicted seconds of drafting rows with these backlogs, catch-up included."""
+        rows = len(backlogs)
+        return float(self.cost.draft_seconds(rows)) * (1.0 + CONTEXT_ROW_COST * self._excess(backlogs).sum() / rows)
+
+    # -- after the step --------------------------------------------------------------------------
+    def record(self, plan: GatePlan, confidence_logits: torch.Tensor | np.ndarray | None) -> None:
+        """confidence_logits [R, γ] of the step (rows that did not draft: anything, unread)."""
+        if not len(plan.rows):
             self.skipped += 1
             return
         self.skipped = 0
-        g = (expected_accepts - requests) / requests
-        d = (verified_tokens - requests) / requests
-        if self.accepted_per_request is None:
-            self.accepted_per_request, self.verified_per_request = g, d
-        else:
-            a = self.smoothing
-            self.accepted_per_request += a * (g - self.accepted_per_request)
-            self.verified_per_request += a * (d - self.verified_per_request)
+        if confidence_logits is not None:
+            logits = torch.as_tensor(confidence_logits)[torch.from_numpy(plan.rows)]
+            self.pool.extend(survival(logits, self.temperatures).numpy())
+            self._candidates = None
+
+    def observed(self, record: StepRecord, plan: GatePlan) -> StepRecord:
+        """The step as the cost model should learn from it: drafting normalised to a normal step of
+        all R rows (the backlogs' catch-up and a probe's few rows scaled out), at the measured speed."""
+        if not len(plan.rows) or plan.price <= 0.0 or (plan.all and plan.price == plan.normal):
+            return record
+        scale = plan.normal / plan.price
+        seconds = {k: v * scale if k in ("draft", "heads") else v for k, v in record.seconds.items()}
+        return replace(record, seconds=seconds, drafted=True)

@@ -1,19 +1,32 @@
-"""The drafting gate: skip the drafter when the cost table says drafting cannot pay; lossless."""
+"""The drafting gate: decisions from the prior table at the first step, probes over a few rows,
+catch-up paid by its own row and priced by its share; greedy output stays the target's."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cache
+from itertools import pairwise
 
+import numpy as np
 import pytest
+import torch
 from conftest import golden_path, load_json
 
 from dspark.models import load_pair
 from dspark.runtime.batch_loop import BatchEngine
-from dspark.runtime.drafting_gate import DraftingGate
+from dspark.runtime.drafter_runner import CONTEXT_ROW_COST, split_calls
+from dspark.runtime.drafting_gate import DraftingGate, GatePlan
 from dspark.runtime.kv_cache import Capacity
 from dspark.runtime.model_info import ModelInfo
-from dspark.runtime.prefix_scheduler import SchedulerConfig
+from dspark.runtime.prefix_scheduler import SchedulerConfig, prefix_schedule, survival
+from dspark.runtime.proposer import propose_block
+from dspark.runtime.reference_decoder import autoregressive_generate
+from dspark.runtime.stats import StepRecord
 from dspark.runtime.torch_backend import TorchBackend
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+GAMMA = 7  # the golden pair's block size
 
 
 @dataclass(frozen=True)
@@ -26,44 +39,240 @@ class SplitCost:
     def draft_seconds(self, requests: int) -> float:
         return self.draft_per_request * requests
 
-    def verify_seconds(self, requests: int, tokens: int) -> float:
+    def verify_seconds(self, requests: int, tokens):
         return 1e-3 + self.per_token * tokens
 
-    def seconds(self, requests: int, tokens: int) -> float:
+    def seconds(self, requests: int, tokens):
         return self.draft_seconds(requests) + self.verify_seconds(requests, tokens)
 
     def to_dict(self) -> dict[str, float]:
         return {"draft_per_request": self.draft_per_request, "per_token": self.per_token}
 
 
-def test_gate_decision_follows_the_cost_comparison():
-    cheap = DraftingGate(SplitCost(draft_per_request=1e-5, per_token=1e-4))
-    dear = DraftingGate(SplitCost(draft_per_request=5e-3, per_token=1e-4))
-    for gate in (cheap, dear):
-        assert gate.should_draft(4)  # no estimate yet: draft to get one
-        gate.record(drafted=True, requests=4, expected_accepts=4 * 2.0, verified_tokens=4 * 4)
-    assert cheap.should_draft(4)
-    assert not dear.should_draft(4)
-    for _ in range(dear.probe_every):
-        dear.record(drafted=False, requests=4, expected_accepts=None, verified_tokens=4)
-    assert dear.should_draft(4)  # a probe refreshes the estimate
+CHEAP = SplitCost(draft_per_request=1e-6, per_token=1e-5)  # drafting always pays
+DEAR = SplitCost(draft_per_request=1.0, per_token=1e-4)  # drafting never pays
 
 
-@pytest.mark.parametrize(("draft_cost", "expect_skips"), [(1e-6, False), (1.0, True)])
-def test_engine_skips_unprofitable_drafting_and_stays_lossless(draft_cost, expect_skips):
-    target, drafter = load_pair(golden_path("qwen3-tiny-vanilla", "target"),
-                                golden_path("qwen3-tiny-vanilla", "drafter"))
-    traces = load_json(golden_path("qwen3-tiny-vanilla", "traces.json"))
-    engine = BatchEngine(TorchBackend(target, drafter), ModelInfo.from_models(target, drafter),
-                    capacity=Capacity(4, 4096, 256), scheduler=SchedulerConfig("dspark"),
-                    cost_model=SplitCost(draft_per_request=draft_cost, per_token=1e-4), kv_mode="concat")
-    ids = [engine.submit(s["prompt_ids"], max_new_tokens=64) for s in traces["samples"]]
-    finished = engine.run_until_done()
-    for request_id, sample in zip(ids, traces["samples"], strict=True):
-        assert finished[request_id].tokens == sample["generated_ids"][:64]
-    drafted = [s.drafted for s in engine.stats.steps]
-    if expect_skips:
-        assert drafted[0] and drafted.count(True) <= 1 + len(drafted) // engine.gate.probe_every
-        assert all(max(s.lengths) == 0 for s in engine.stats.steps if not s.drafted)
-    else:
-        assert all(drafted)
+def confident(rows: int, logit: float = 3.0) -> torch.Tensor:
+    return torch.full((rows, GAMMA), logit)
+
+
+# -- the gate alone ------------------------------------------------------------------------------
+def test_first_step_probes_the_cheapest_rows_when_the_table_says_drafting_cannot_pay():
+    gate = DraftingGate(DEAR, block_size=GAMMA)
+    backlogs = np.array([30, 5, 40, 5, 9, 12, 7, 50])
+    plan = gate.plan(backlogs)
+    assert plan.probe and plan.rows.tolist() == [1, 3, 4, 6]  # the 4 smallest backlogs, nobody else
+    gate.record(plan, confident(8))
+    for _ in range(gate.probe_every):
+        plan = gate.plan(backlogs)
+        assert not len(plan.rows)  # plain decoding ...
+        gate.record(plan, None)
+    assert gate.plan(backlogs).rows.tolist() == [1, 3, 4, 6]  # ... until the next probe, of 4 rows again
+    assert DraftingGate(DEAR, block_size=GAMMA).plan(backlogs[:3]).all  # R <= probe_rows: a probe is every row
+
+
+def test_first_step_decides_from_the_table_and_the_prior():
+    backlogs = np.full(16, 8)
+    assert DraftingGate(CHEAP, block_size=GAMMA).plan(backlogs).all  # drafting pays even at the prior
+    # verify(16, B) = 1 ms + 0.03 ms·B, draft(16) = 1.6 ms: Θ_draft/Θ_plain = 1.31 at α = 0.9, 0.64 at 0.5
+    cost = SplitCost(draft_per_request=1e-4, per_token=3e-5)
+    assert DraftingGate(cost, block_size=GAMMA, prior_acceptance=0.9).plan(backlogs).all
+    assert DraftingGate(cost, block_size=GAMMA).plan(backlogs).probe  # the default, conservative prior
+    for logit, then in ((5.0, "all"), (-5.0, "none")):  # then the probe's confidences decide
+        gate = DraftingGate(cost, block_size=GAMMA)
+        gate.record(gate.plan(backlogs), confident(16, logit))
+        assert (gate.plan(backlogs).all if then == "all" else not len(gate.plan(backlogs).rows))
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["packed", "padded"])
+def test_the_gate_predicts_what_algorithm_1_gets_over_rows_like_its_pool(padded):
+    cost = SplitCost(draft_per_request=1e-4, per_token=1e-4)  # Algorithm 1 stops half-way, packed or padded
+    gate = DraftingGate(cost, block_size=GAMMA, padded=padded)
+    logits = torch.linspace(4.0, -1.0, 12 * GAMMA).reshape(12, GAMMA)
+    gate.record(GatePlan(12, np.arange(12), 1.0, 1.0), logits)
+    draft = cost.draft_seconds(12)
+    decision = prefix_schedule(survival(logits), lambda requests, tokens: draft + cost.verify_seconds(requests, tokens),
+                               padded=padded)
+    assert 0 < sum(decision.lengths) < 12 * GAMMA / 2
+    assert gate.throughputs(12, draft)[0] == pytest.approx(decision.expected_throughput)
+
+
+def test_catch_up_is_priced_by_its_share_and_spread_over_the_steps_it_buys():
+    cost = SplitCost(draft_per_request=1e-4, per_token=3e-5)
+    gate = DraftingGate(cost, block_size=GAMMA)
+    gate.record(gate.plan(np.full(16, 8)), confident(16, 1.5))
+    assert gate.plan(np.full(16, 8)).all
+    normal = cost.draft_seconds(16)
+    one = GatePlan(16, np.arange(16), gate._price(np.array([8] * 15 + [408])), normal)
+    assert one.price == pytest.approx(normal * (1 + CONTEXT_ROW_COST * 400 / 16))  # its own 400 rows, not 16 × 400
+    assert not gate.plan(np.full(16, 2000)).all  # a backlog that the drafting gain cannot repay
+    assert gate.plan(np.full(16, 40)).all  # a short one that it can
+
+
+def test_split_calls_keeps_one_call_unless_a_backlog_would_pad_every_row():
+    assert [c.tolist() for c in split_calls(np.full(5, 3))] == [[0, 1, 2, 3, 4]]
+    assert [c.tolist() for c in split_calls(np.array([2, 5, 8, 3]))] == [[0, 1, 2, 3]]  # padding to 8 is cheap
+    calls = split_calls(np.array([2] * 10 + [500] + [3] * 10))
+    assert [sorted(c.tolist()) for c in calls] == [[*range(10), *range(11, 21)], [10]]
+
+
+def test_the_cost_model_learns_drafting_as_a_normal_step_of_every_row():
+    gate = DraftingGate(DEAR, block_size=GAMMA)
+    plan = gate.plan(np.array([30, 5, 40, 5, 9, 12, 7, 50]))
+    seconds = {"draft": 0.3, "heads": 0.1, "verify": 0.5, "commit": 0.01}
+    record = StepRecord(step=0, requests=8, admitted_new=0, lengths=[0] * 8, verified_tokens=8, padded_tokens=8,
+                        acceptance_lengths=[1] * 8, expected_accepts=None, predicted_seconds=None,
+                        seconds=seconds, drafted=False)
+    seen = gate.observed(record, plan)
+    scale = DEAR.draft_seconds(8) / plan.price  # 4 rows -> 8, their catch-up scaled out
+    assert seen.drafted and seen.seconds["draft"] == pytest.approx(0.3 * scale)
+    assert seen.seconds["heads"] == pytest.approx(0.1 * scale) and seen.seconds["verify"] == 0.5
+    full = DraftingGate(CHEAP, block_size=GAMMA)
+    assert full.observed(record, full.plan(np.full(8, 3))) is record  # a normal step: as it was
+    assert gate.observed(record, GatePlan(8, np.arange(0), 0.0, 8.0)) is record  # nobody drafted
+
+
+# -- the engine ----------------------------------------------------------------------------------
+@cache
+def pair():
+    return load_pair(golden_path("qwen3-tiny-vanilla", "target"), golden_path("qwen3-tiny-vanilla", "drafter"))
+
+
+@cache
+def prompts() -> tuple[tuple[int, ...], ...]:
+    samples = load_json(golden_path("qwen3-tiny-vanilla", "traces.json"))["samples"]
+    base = [s["prompt_ids"] for s in samples]
+    return tuple(tuple(p) for p in [*base, *(p[: max(3, len(p) // 2)] for p in base), base[2] * 4, base[1][::-1]])
+
+
+@cache
+def greedy(prompt: tuple[int, ...], new: int) -> list[int]:
+    return autoregressive_generate(pair()[0], list(prompt), max_new_tokens=new)
+
+
+class Recorder:
+    """The backend's drafter backbone calls: (rows, context rows) each."""
+
+    def __init__(self, backend: TorchBackend) -> None:
+        self.calls: list[tuple[int, int]] = []
+        run = backend._run
+
+        def recording(graph, feeds):
+            if graph == "drafter_backbone":
+                self.calls.append(tuple(feeds["context_features"].shape[:2]))
+            return run(graph, feeds)
+
+        backend._run = recording
+
+
+def engine_for(cost: SplitCost, slots: int = 8) -> tuple[BatchEngine, Recorder]:
+    target, drafter = pair()
+    backend = TorchBackend(target, drafter)
+    recorder = Recorder(backend)
+    engine = BatchEngine(backend, ModelInfo.from_models(target, drafter), capacity=Capacity(slots, 1 << 16, 1024),
+                         scheduler=SchedulerConfig("dspark"), cost_model=cost, kv_mode="concat")
+    return engine, recorder
+
+
+def drafted_rows(record: StepRecord) -> list[int]:
+    if record.confidence_logits is None:
+        return []
+    return torch.isfinite(record.confidence_logits[:, 0]).nonzero().flatten().tolist()
+
+
+def run(engine: BatchEngine, arrivals: dict[int, list[tuple[int, ...]]], new: int) -> dict[int, tuple[int, ...]]:
+    """Step until idle, submitting arrivals[step] before that step -> request id: its prompt."""
+    asked, step = {}, 0
+    while step <= max(arrivals) or not engine.idle:
+        for prompt in arrivals.get(step, []):
+            asked[engine.submit(list(prompt), max_new_tokens=new)] = prompt
+        engine.step()
+        step += 1
+    return asked
+
+
+def test_engine_drafts_only_the_probe_rows_from_the_first_step():
+    engine, recorder = engine_for(DEAR)
+    batch = list(prompts())[:8]
+    run(engine, {0: batch}, 24)
+    steps = [s for s in engine.stats.steps if s.requests > engine.gate.probe_rows]
+    shortest = sorted(np.argsort([len(q) for q in batch], kind="stable")[:4].tolist())
+    assert drafted_rows(steps[0]) == shortest  # the rows with the least context to catch up
+    assert recorder.calls[0] == (4, max(len(batch[r]) for r in shortest))  # the drafter ran on them alone
+    assert max(rows for rows, _ in recorder.calls) <= engine.gate.probe_rows
+    probes = [i for i, s in enumerate(steps) if drafted_rows(s)]
+    assert len(probes) >= 2 and probes[0] == 0
+    assert all(b - a == engine.gate.probe_every + 1 for a, b in pairwise(probes))
+    for s in steps:  # only a probe row ever verifies drafts, and a probe step is no drafting step
+        rows = set(drafted_rows(s))
+        assert all(length == 0 for r, length in enumerate(s.lengths) if r not in rows)
+        assert not s.drafted and len(rows) in (0, engine.gate.probe_rows)
+    assert sum(max(s.lengths) for s in steps if drafted_rows(s)) > 0  # probes do verify drafts
+
+
+@pytest.mark.parametrize(("cost", "steps"), [(DEAR, "p."), (CHEAP, "A"), (SplitCost(4e-4, 1e-4), "Ap.")],
+                         ids=["skip-and-probe", "draft", "middle"])
+def test_greedy_output_is_the_targets_with_skips_probes_and_arrivals(cost, steps):
+    """`steps`: the kinds of step the run goes through, A every row drafts, p a probe, . none
+    (the middle table: drafting pays at 3 rows, not at 6, so the gate drafts, stops, probes, drafts)."""
+    engine, _ = engine_for(cost, slots=6)
+    p = list(prompts())
+    new = 40
+    asked = run(engine, {0: p[:3], 2: p[3:5], 5: p[5:7], 11: p[7:10], 19: p[:2]}, new)
+    finished = engine.take_finished()
+    assert len(finished) == len(asked) == 12
+    for request_id, prompt in asked.items():
+        assert finished[request_id].tokens == greedy(prompt, new)
+    kinds = {"A" if s.drafted else "p" if drafted_rows(s) else "." for s in engine.stats.steps if s.requests > 4}
+    assert kinds == set(steps)
+
+
+def reference_drafts(sequence: list[int]) -> list[int]:
+    """The block a drafter fed the whole context of `sequence` (anchor last) drafts, greedy."""
+    target, drafter = pair()
+    n = len(sequence) - 1
+    with torch.no_grad():
+        features = target(torch.tensor([sequence[:-1]]), torch.arange(n)[None]).context_features
+        masks = torch.full((1, GAMMA - 1), drafter.config.mask_token_id)
+        anchor = torch.tensor([sequence[-1]])
+        backbone = drafter.forward_backbone(block_ids=torch.cat((anchor[:, None], masks), dim=1),
+                                            block_position_ids=torch.arange(n, n + GAMMA)[None],
+                                            context_features=features, context_position_ids=torch.arange(n)[None])
+        return propose_block(drafter, backbone.hidden, anchor, 0.0).tokens[0].tolist()
+
+
+def test_rows_catching_up_draft_what_a_drafter_fed_their_whole_context_drafts(monkeypatch):
+    """Probes of a few rows (gathered slots) after skipped steps, and long prompts arriving while
+    every row drafts (calls split by backlog): each drafted row's block is the reference block."""
+    checked = 0
+    for cost in (DEAR, CHEAP):
+        engine, recorder = engine_for(cost)
+        blocks: list[tuple[list[list[int]], np.ndarray, list[int]]] = []
+        propose = engine._propose
+
+        def capture(drafting, *args, engine=engine, propose=propose, blocks=blocks):
+            sequences = [[*a.result.prompt_ids, *a.result.tokens] for a in engine.active]
+            block = propose(drafting, *args)
+            blocks.append((sequences, np.asarray(block.tokens).copy(), drafting.tolist()))
+            return block
+
+        monkeypatch.setattr(engine, "_propose", capture)
+        p = list(prompts())
+        run(engine, {0: p[:6], 3: [p[8]], 9: [p[2] * 3]}, 24)
+        if cost is CHEAP:
+            assert any(rows == 1 and ctx >= 150 for rows, ctx in recorder.calls)  # long prompts: calls of their own
+        for sequences, tokens, rows in blocks:
+            for r in rows:
+                assert tokens[r].tolist() == reference_drafts(sequences[r])
+                checked += 1
+    assert checked > 40
+
+
+def test_a_long_prompt_arriving_is_paid_by_its_own_row():
+    engine, recorder = engine_for(CHEAP)
+    p = list(prompts())
+    run(engine, {0: p[:5], 4: [p[2] * 4]}, 16)  # 200 prompt tokens join 5 rows drafting ~8 each
+    widest = max(ctx for _, ctx in recorder.calls)
+    assert widest >= 200
+    assert all(rows == 1 for rows, ctx in recorder.calls if ctx == widest)  # nobody else padded to it
