@@ -1,16 +1,21 @@
 """What the server costs: time to first token (p50/p99) and aggregate tokens/s at 1, 64 and 256 concurrent
 clients through HTTP, against the same engine driven directly in the same run.
 
-    python -m dspark.tools.serve_bench [--engine DIR] [--clients 1,64,256] [--max-tokens 32] [--json out.json]
+    python -m dspark.tools.serve_bench [--engine DIR] [--clients 1,64,256] [--max-tokens 32] [--repeats 3]
+        [--client raw,httpx] [--json out.json]
 
 Three systems on one workload (closed loop: each client sends its next request when the last one ends;
-greedy; the same prompts, stopped at eos), interleaved per client count:
+greedy; the same prompts, stopped at eos), interleaved per client count and repeat:
   direct   one thread steps a BatchEngine and submits the next requests between steps (no threads, no HTTP)
   service  the EngineService (background loop thread) read by asyncio tasks in this process (no HTTP)
-  http     `dspark serve` in a subprocess, read by httpx streaming clients in this process (SSE)
+  http     `dspark serve` in a subprocess, read by streaming clients in this process (SSE): `raw`, a minimal
+           asyncio HTTP/1.1 client on one keep-alive connection per client, or `httpx` (a new connection per
+           request, see run_httpx)
 TTFT is from submit (or sending the request) to the first token in hand; tok/s counts completion tokens
-over the phase's wall time. On a small CPU the clients share the cores with the server, so the http row
-includes the clients' own cost. Outputs are checked equal across the three systems.
+over the phase's wall time. On a small CPU the clients share the cores with the server, so the http rows
+include the clients' own cost: the CPU column shows it (server + clients). Outputs are checked equal
+across the systems. With repeats, a row is the repeat with the median ratio to the direct engine of the
+same repeat, and the min ratio is shown beside it.
 """
 
 from __future__ import annotations
@@ -20,15 +25,18 @@ import contextlib
 import json
 import math
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import click
+import psutil
 
 from .errors import OneLineErrors
 
@@ -49,6 +57,10 @@ class Phase:
     tokens: int
     seconds: float
     ttft: list[float]
+    cpu_seconds: float = 0.0  # this process (the direct engine, the service, or the HTTP clients)
+    server_cpu_seconds: float | None = None  # the `dspark serve` process (http rows)
+    ratio: float = float("nan")  # tok/s over the direct engine's in the same repeat
+    min_ratio: float = float("nan")  # the lowest ratio over the repeats
 
     @property
     def tokens_per_second(self) -> float:
@@ -58,7 +70,9 @@ class Phase:
         return {"system": self.system, "clients": self.clients, "requests": self.requests, "tokens": self.tokens,
                 "seconds": round(self.seconds, 3), "tokens_per_second": round(self.tokens_per_second, 1),
                 "ttft_p50_ms": round(1e3 * _quantile(self.ttft, 0.5), 2),
-                "ttft_p99_ms": round(1e3 * _quantile(self.ttft, 0.99), 2)}
+                "ttft_p99_ms": round(1e3 * _quantile(self.ttft, 0.99), 2), "cpu_seconds": round(self.cpu_seconds, 3),
+                "server_cpu_seconds": None if self.server_cpu_seconds is None else round(self.server_cpu_seconds, 3),
+                "vs_direct": round(self.ratio, 3), "vs_direct_min": round(self.min_ratio, 3)}
 
 
 def _quantile(values: Sequence[float], q: float) -> float:
@@ -126,7 +140,64 @@ def run_service(runtime, work: list[list[list[int]]], max_tokens: int, stop: Seq
     return Phase("service", len(work), len(outputs), sum(map(len, outputs.values())), seconds, ttft), outputs
 
 
-def run_http(url: str, work: list[list[list[int]]], max_tokens: int) -> tuple[Phase, dict]:
+def run_raw(url: str, work: list[list[list[int]]], max_tokens: int) -> tuple[Phase, dict]:
+    """Closed-loop SSE clients that cost the server's cores little: one keep-alive connection per client,
+    requests written and chunked responses read with asyncio streams, one json.loads per event."""
+    parts = urlsplit(url)
+    outputs, ttft = {}, []
+
+    async def client(c: int) -> None:
+        reader, writer = await asyncio.open_connection(parts.hostname, parts.port)
+        try:
+            for k, prompt in enumerate(work[c]):
+                body = json.dumps({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True})
+                sent, first, out = time.perf_counter(), None, []
+                writer.write(f"POST /v1/completions HTTP/1.1\r\nHost: {parts.netloc}\r\nContent-Type: "
+                             f"application/json\r\nContent-Length: {len(body)}\r\n\r\n{body}".encode())
+                async for event in sse_events(reader):
+                    if event.startswith(b"data: {"):
+                        ids = (json.loads(event[6:]).get("dspark") or {}).get("token_ids") or []
+                        if ids and first is None:
+                            first = time.perf_counter()
+                        out += ids
+                ttft.append((first or time.perf_counter()) - sent)
+                outputs[(c, k)] = out
+        finally:
+            writer.close()
+
+    async def everyone() -> None:
+        await asyncio.gather(*(client(c) for c in range(len(work))))
+
+    begin = time.perf_counter()
+    asyncio.run(everyone())
+    seconds = time.perf_counter() - begin
+    return Phase("http", len(work), len(outputs), sum(map(len, outputs.values())), seconds, ttft), outputs
+
+
+async def sse_events(reader: asyncio.StreamReader) -> AsyncIterator[bytes]:
+    """The events of one streamed HTTP/1.1 response (status 200, chunked), each without its blank line;
+    leaves the connection at the next response. ClickException for any other status."""
+    status = await reader.readline()
+    headers = {}
+    while (line := await reader.readline()) not in (b"\r\n", b""):
+        name, _, value = line.decode("latin-1").partition(":")
+        headers[name.strip().lower()] = value.strip()
+    if not status.startswith(b"HTTP/1.1 200") or headers.get("transfer-encoding") != "chunked":
+        body = await reader.read(int(headers.get("content-length", 0) or 0))
+        raise click.ClickException(f"server answered {status.decode().strip()!r}: {body[:300]!r}")
+    pending = b""
+    while size := int(await reader.readline(), 16):
+        pending += await reader.readexactly(size)
+        await reader.readexactly(2)  # the chunk's CRLF
+        *events, pending = pending.split(b"\n\n")
+        for event in events:
+            yield event
+    await reader.readline()  # the CRLF after the last (empty) chunk
+
+
+def run_httpx(url: str, work: list[list[list[int]]], max_tokens: int) -> tuple[Phase, dict]:
+    """The same clients through httpx: about five times the raw client's CPU per request, on the cores the
+    server needs (a new connection per request, see below)."""
     import httpx
 
     outputs, ttft = {}, []
@@ -157,12 +228,16 @@ def run_http(url: str, work: list[list[list[int]]], max_tokens: int) -> tuple[Ph
     begin = time.perf_counter()
     asyncio.run(everyone())
     seconds = time.perf_counter() - begin
-    return Phase("http", len(work), len(outputs), sum(map(len, outputs.values())), seconds, ttft), outputs
+    return Phase("http (httpx)", len(work), len(outputs), sum(map(len, outputs.values())), seconds, ttft), outputs
+
+
+CLIENTS = {"raw": run_raw, "httpx": run_httpx}
 
 
 @contextlib.contextmanager
-def running_server(engine_dir: str, max_requests: int, max_seq_len: int, max_tokens: int) -> Iterator[str]:
-    """`dspark serve` in a subprocess on a free loopback port; yields its URL; stopped at exit."""
+def running_server(engine_dir: str, max_requests: int, max_seq_len: int,
+                   max_tokens: int) -> Iterator[tuple[str, psutil.Process]]:
+    """`dspark serve` in a subprocess on a free loopback port; yields its URL and process; stopped at exit."""
     import httpx
 
     with socket.socket() as sock:
@@ -188,21 +263,54 @@ def running_server(engine_dir: str, max_requests: int, max_seq_len: int, max_tok
                         break
                 except httpx.HTTPError:
                     time.sleep(0.2)
-            yield url
+            yield url, psutil.Process(server.pid)
         finally:
             server.terminate()
             server.wait(30)
 
 
 def table(phases: list[Phase]) -> str:
-    direct = {p.clients: p for p in phases if p.system == "direct"}
-    lines = ["| clients | system | requests | TTFT p50 ms | TTFT p99 ms | tok/s | tok/s vs direct | overhead |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| clients | system | requests | TTFT p50 ms | TTFT p99 ms | tok/s | vs direct | min vs direct | CPU s |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for p in phases:
-        row, ratio = p.row(), p.tokens_per_second / direct[p.clients].tokens_per_second
+        row = p.row()
+        cpu = f"{p.cpu_seconds:.2f}"
+        if p.server_cpu_seconds is not None:
+            cpu = f"{p.server_cpu_seconds:.2f} + {cpu}"
         lines.append(f"| {p.clients} | {p.system} | {p.requests} | {row['ttft_p50_ms']:.1f} | {row['ttft_p99_ms']:.1f} "
-                     f"| {row['tokens_per_second']:.0f} | {ratio:.2f} | {100 * (1 - ratio):+.0f} % |")
+                     f"| {row['tokens_per_second']:.0f} | {p.ratio:.2f} | {p.min_ratio:.2f} | {cpu} |")
     return "\n".join(lines)
+
+
+def timed(run, *args: object, server: psutil.Process | None = None) -> tuple[Phase, dict]:
+    """run(*args) with the CPU seconds it took in this process (and in the server's, when given)."""
+    def cpu(proc: psutil.Process) -> float:
+        times = proc.cpu_times()
+        return times.user + times.system
+
+    me = psutil.Process()
+    mine, theirs = cpu(me), cpu(server) if server is not None else 0.0
+    phase, outputs = run(*args)
+    phase.cpu_seconds = cpu(me) - mine
+    if server is not None:
+        phase.server_cpu_seconds = cpu(server) - theirs
+    return phase, outputs
+
+
+def summarise(repeats: list[list[Phase]]) -> list[Phase]:
+    """Per system, the repeat with the median ratio to that repeat's direct engine, with the min ratio (the
+    direct engine itself: its median tok/s)."""
+    rows = []
+    for i in range(len(repeats[0])):
+        runs = [(r[i].tokens_per_second / r[0].tokens_per_second, r[i]) for r in repeats]
+        if i == 0:
+            runs = [(r[0].tokens_per_second, r[0]) for r in repeats]
+        ratios = sorted(ratio for ratio, _ in runs)
+        median = statistics.median_low(ratios)
+        phase = next(p for ratio, p in runs if ratio == median)
+        phase.ratio, phase.min_ratio = (1.0, 1.0) if i == 0 else (median, ratios[0])
+        rows.append(phase)
+    return rows
 
 
 @click.command("serve-bench", cls=OneLineErrors)
@@ -212,8 +320,12 @@ def table(phases: list[Phase]) -> str:
 @click.option("--requests", "min_requests", default=256, show_default=True, type=click.IntRange(min=1),
               help="At least this many requests per client count (at least 2 per client).")
 @click.option("--max-tokens", default=32, show_default=True, type=click.IntRange(min=1))
+@click.option("--repeats", default=1, show_default=True, type=click.IntRange(min=1),
+              help="Interleaved rounds per client count (direct, service, http, direct, ...).")
+@click.option("--client", "http_clients", default="raw", show_default=True,
+              help="HTTP clients to run, comma-separated: raw (asyncio, keep-alive), httpx.")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=str), help="Also write the rows here.")
-def main(engine_dir, clients, min_requests, max_tokens, json_out) -> None:
+def main(engine_dir, clients, min_requests, max_tokens, repeats, http_clients, json_out) -> None:
     """Server overhead: TTFT and tok/s through HTTP vs the engine driven directly."""
     import torch
 
@@ -222,6 +334,9 @@ def main(engine_dir, clients, min_requests, max_tokens, json_out) -> None:
     # The direct engine runs on this main thread, where torch's tiny ops fan out to every intra-op thread; the
     # service's loop thread (and the server's) run them on one. One thread here keeps the comparison fair.
     torch.set_num_threads(1)
+    names = [c.strip() for c in http_clients.split(",") if c.strip()]
+    if not names or any(c not in CLIENTS for c in names):
+        raise click.BadParameter(f"{http_clients!r}: give some of {', '.join(CLIENTS)}", param_hint="--client")
     if engine_dir is None:
         from .demo_engine import demo_engine_dir
 
@@ -229,24 +344,30 @@ def main(engine_dir, clients, min_requests, max_tokens, json_out) -> None:
     counts = [int(c) for c in clients.split(",") if c.strip()]
     slots, seq_len = max(counts), 256
     phases: list[Phase] = []
-    with running_server(engine_dir, slots, seq_len, max_tokens) as url, \
+    with running_server(engine_dir, slots, seq_len, max_tokens) as (url, server), \
             Runtime.load(engine_dir, RuntimeOptions(max_requests=slots, max_seq_len=seq_len)) as runtime:
         prompts = [runtime.encode(p) for p in PROMPTS]
         stop = runtime.info.eos_token_ids
         warm = jobs(2, 1, prompts)
         run_direct(runtime, warm, max_tokens, stop), run_service(runtime, warm, max_tokens, stop)
-        run_http(url, warm, max_tokens)
+        for name in names:
+            CLIENTS[name](url, warm, max_tokens)
         for count in counts:
             work = jobs(count, max(2, -(-min_requests // count)), prompts)
-            done = [run_direct(runtime, work, max_tokens, stop), run_service(runtime, work, max_tokens, stop),
-                    run_http(url, work, max_tokens)]
-            differ = sum(done[0][1][key] != out[key] for _, out in done[1:] for key in done[0][1])
-            if differ:  # greedy: only float noise between batch compositions could do this
-                click.echo(f"warning: {differ} outputs differ from the direct engine's at {count} clients", err=True)
-            phases += [phase for phase, _ in done]
-            click.echo(f"{count} clients: " + ", ".join(f"{p.system} {p.tokens_per_second:.0f} tok/s"
-                                                         for p, _ in done), err=True)
-    click.echo(f"engine {engine_dir}; greedy, {max_tokens} new tokens, closed-loop clients\n")
+            rounds = []
+            for _ in range(repeats):
+                done = [timed(run_direct, runtime, work, max_tokens, stop),
+                        timed(run_service, runtime, work, max_tokens, stop)]
+                done += [timed(CLIENTS[name], url, work, max_tokens, server=server) for name in names]
+                differ = sum(done[0][1][key] != out[key] for _, out in done[1:] for key in done[0][1])
+                if differ:  # greedy: only float noise between batch compositions could do this
+                    click.echo(f"warning: {differ} outputs differ from the direct engine's at {count} clients",
+                               err=True)
+                rounds.append([phase for phase, _ in done])
+                click.echo(f"{count} clients: " + ", ".join(f"{p.system} {p.tokens_per_second:.0f} tok/s"
+                                                             for p, _ in done), err=True)
+            phases += summarise(rounds)
+    click.echo(f"engine {engine_dir}; greedy, {max_tokens} new tokens, closed-loop clients, {repeats} repeat(s)\n")
     click.echo(table(phases))
     if json_out:
         Path(json_out).write_text(json.dumps([{**p.row(), "ttft_seconds": p.ttft} for p in phases], indent=1))

@@ -16,6 +16,7 @@ import asyncio
 import hmac
 import logging
 import time
+from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -23,7 +24,7 @@ import anyio
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
 from ..kv_cache import CapacityError
@@ -48,19 +49,33 @@ class ServerConfig:
     default_completion_tokens: int = 16  # OpenAI's default for /v1/completions; chat defaults to what fits
 
 
-class _SSE(StreamingResponse):
-    """An SSE stream that cancels its request whenever it ends (finished, or the client went away)."""
+class _SSE(Response):
+    """An SSE stream (one `send` per event) that cancels its request whenever it ends: finished, or the client
+    went away (a plain task watches for the disconnect; the request then ends at the next step, and so does
+    the stream). Not starlette's StreamingResponse, which opens an anyio task group per response and, on
+    leaving it, a cancel scope that formats the task's repr: event-loop time taken from the engine thread."""
 
-    def __init__(self, content: Any, handle: RequestHandle) -> None:
-        super().__init__(content, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self.handle = handle
+    media_type = "text/event-stream"
+
+    def __init__(self, events: AsyncIterator[bytes], handle: RequestHandle) -> None:
+        self.events, self.handle, self.background = events, handle, None
+        self.status_code = 200
+        self.init_headers({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        watcher = asyncio.ensure_future(self._cancel_on_disconnect(receive))
         try:
-            await super().__call__(scope, receive, send)
+            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+            async for event in self.events:
+                await send({"type": "http.response.body", "body": event, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
+            watcher.cancel()
             self.handle.cancel()
+
+    async def _cancel_on_disconnect(self, receive: Any) -> None:
+        await _disconnect(receive)
+        self.handle.cancel()
 
 
 class OpenAIServer:
@@ -221,7 +236,7 @@ class OpenAIServer:
 async def _result_unless_gone(request: Request, handle: RequestHandle) -> Any:
     """The request's result, or None (after cancelling it) when the client disconnects first."""
     result = asyncio.ensure_future(handle.aresult())
-    gone = asyncio.ensure_future(_disconnect(request))
+    gone = asyncio.ensure_future(_disconnect(request.receive))
     try:
         await asyncio.wait({result, gone}, return_when=asyncio.FIRST_COMPLETED)
     finally:
@@ -236,8 +251,8 @@ async def _result_unless_gone(request: Request, handle: RequestHandle) -> Any:
         raise P.ApiError(503 if isinstance(exc, ServiceClosed) else 500, str(exc), kind="server_error") from None
 
 
-async def _disconnect(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
+async def _disconnect(receive: Any) -> None:
+    while (await receive())["type"] != "http.disconnect":
         pass
 
 

@@ -19,7 +19,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 
 from ..api import Runtime, Stop, finish_at_stop_strings
@@ -193,7 +193,7 @@ class EngineService:
                 self.engine.cancel(handle.engine_id)
 
     def _step(self) -> StepRecord | None:
-        before = {a.result.request_id for a in self.engine.active}
+        before = set(running_ids(self.engine))
         try:
             return self.engine.step()
         except Exception as exc:
@@ -208,7 +208,7 @@ class EngineService:
         error = RequestFailed(f"the decode step failed: {type(exc).__name__}: {str(exc)[:200]}")
         now, engine = time.monotonic(), self.engine
         try:
-            active = [a.result.request_id for a in engine.active]
+            active = running_ids(engine)
             lost = [r for r in engine.admission.reserved if r not in set(active)]  # admitted, lost in prefill
             involved = [r for r in active if r not in before] if lost else active
             log.error("engine step failed (%s: %s); ending the %d requests in it", type(exc).__name__, exc,
@@ -241,9 +241,9 @@ class EngineService:
         done = finish_at_stop_strings(self.engine, self._watches)
         now = time.monotonic()
         woken: dict[asyncio.AbstractEventLoop, list[asyncio.Event]] = {}
-        for a in self.engine.active:
-            handle = self._handles.get(a.result.request_id)
-            if handle is not None and handle._push(a.result.tokens[: handle.max_new_tokens], now):
+        for request_id, tokens in running_tokens(self.engine):
+            handle = self._handles.get(request_id)
+            if handle is not None and handle._push(tokens, now):
                 collect_wake(woken, handle)
         for request_id, result in done.items():
             handle = self._handles.pop(request_id, None)
@@ -294,3 +294,16 @@ class EngineService:
                           now, error)
         self._handles.clear()
         self._watches.clear()
+
+
+# The engine's rows, read in one pass: the only place the service looks inside `BatchEngine.active`.
+def running_ids(engine: BatchEngine) -> list[int]:
+    """The ids of the requests in the engine's rows (admitted, not yet retired)."""
+    return [a.result.request_id for a in engine.active]
+
+
+def running_tokens(engine: BatchEngine) -> Iterator[tuple[int, list[int]]]:
+    """(request id, committed tokens cut at its max_new_tokens) of every row: `engine.tokens_so_far` for all
+    running requests in one pass instead of one search per request."""
+    for a in engine.active:
+        yield a.result.request_id, a.result.tokens[: a.max_new_tokens]

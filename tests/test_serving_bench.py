@@ -1,0 +1,76 @@
+"""serve_bench's raw HTTP client (the http rows' default client) against a real uvicorn server: several
+requests per keep-alive connection, every streamed token list equal to the direct engine's; and its SSE
+reader on hand-made chunked bytes (events split across chunks and packed into one)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import click
+import pytest
+from test_serving_support import running_server, tiny_runtime
+
+from dspark.runtime.serving.app import ServerConfig, create_app
+from dspark.runtime.serving.service import EngineService
+from dspark.tools import serve_bench
+
+PROMPTS = ("def parse_args(", "import os\n", "class Server:")
+
+
+def test_raw_clients_keep_their_connection_and_get_the_direct_engines_outputs(tmp_path):
+    with tiny_runtime(tmp_path) as rt, EngineService(rt) as service:
+        app = create_app(service, ServerConfig(model_name="tiny", max_tokens_per_request=64))
+        peers = []
+
+        async def counting(scope, receive, send):
+            if scope["type"] == "http" and scope["path"] == "/v1/completions":
+                peers.append(tuple(scope["client"]))
+            await app(scope, receive, send)
+
+        work = serve_bench.jobs(3, 3, [rt.encode(p) for p in PROMPTS])
+        with running_server(counting) as url:
+            phase, outputs = serve_bench.run_raw(url, work, 8)
+        direct, expected = serve_bench.run_direct(rt, work, 8, rt.info.eos_token_ids)
+    assert outputs == expected and phase.tokens == direct.tokens > 0
+    assert len(peers) == 9 and len(set(peers)) == 3  # three requests on each client's one connection
+    assert len(phase.ttft) == 9 and all(t > 0 for t in phase.ttft)
+
+
+def chunked(*parts: bytes) -> bytes:
+    return b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in parts) + b"0\r\n\r\n"
+
+
+def read_events(data: bytes) -> tuple[list[bytes], bytes]:
+    async def go():
+        reader = asyncio.StreamReader()
+        reader.feed_data(data)
+        reader.feed_eof()
+        events = [event async for event in serve_bench.sse_events(reader)]
+        return events, await reader.read()
+
+    return asyncio.run(go())
+
+
+def test_sse_reader_joins_split_events_splits_packed_ones_and_stops_at_the_response_end():
+    head = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+    body = chunked(b'data: {"a":1}\n\ndata: {"b"', b':2}\n\n', b'data: {"c":3}\n\ndata: [DONE]\n\n')
+    events, rest = read_events(head + body + b"HTTP/1.1 200 OK\r\n")
+    assert events == [b'data: {"a":1}', b'data: {"b":2}', b'data: {"c":3}', b"data: [DONE]"]
+    assert rest == b"HTTP/1.1 200 OK\r\n"  # the next response on the connection is left for the next read
+
+
+def test_sse_reader_refuses_an_error_answer_with_its_body():
+    answer = b'HTTP/1.1 429 Too Many Requests\r\ncontent-length: 14\r\n\r\n{"error": "x"}'
+    with pytest.raises(click.ClickException, match=r"429 Too Many Requests.*error"):
+        read_events(answer)
+
+
+def test_rows_are_the_median_repeat_with_the_lowest_ratio_beside_it():
+    def phase(system, tokens):
+        return serve_bench.Phase(system, 1, 1, tokens, 1.0, [0.1])
+
+    rounds = [[phase("direct", 100), phase("http", 90)], [phase("direct", 300), phase("http", 150)],
+              [phase("direct", 200), phase("http", 190)]]
+    direct, http = serve_bench.summarise(rounds)
+    assert (direct.tokens, direct.ratio) == (200, 1.0)  # the direct engine's median tok/s
+    assert (http.tokens, http.ratio, http.min_ratio) == (90, 0.9, 0.5)  # ratios 0.9, 0.5, 0.95: median 0.9
