@@ -27,12 +27,18 @@ old, so drafting seen only at the gate's probes still follows them).
 A uniform slowdown multiplies every price by one factor and leaves Algorithm 1's choice alone
 (Θ = τ / t(R, B) keeps its argmax); what moves the schedule is a change of relative costs: the
 drafter against the target (the drafting gate), per token against per step (the prefix length).
+
+Hot path (observe once a step, a few prices a step): the prior is tabled once per R over token counts
+(priors are immutable), a cell keeps its values sorted and its median until it changes, and the
+step's prices at R are tabled over token counts on its first price, so a price is one lookup.
 """
 
 from __future__ import annotations
 
 import math
+from bisect import bisect_left, insort
 from collections import OrderedDict, deque
+from functools import partial
 from statistics import median
 from typing import Any
 
@@ -44,6 +50,7 @@ from .stats import StepRecord
 
 Tokens = int | np.ndarray
 MIN_SECONDS = 1e-9
+LIMIT = 1 << 16  # token counts priced from tables; others (and non-counts) are priced directly, the same way
 
 
 def bucket(count: int | np.ndarray) -> int | np.ndarray:
@@ -53,8 +60,16 @@ def bucket(count: int | np.ndarray) -> int | np.ndarray:
     return round(4 * math.log2(max(count, 1)))
 
 
-def at_least(value: float | np.ndarray, floor: float = MIN_SECONDS) -> float | np.ndarray:
-    return np.maximum(value, floor) if isinstance(value, np.ndarray) else max(float(value), floor)
+def floored(values: np.ndarray, bound: float) -> np.ndarray:
+    """max(values, MIN_SECONDS) in place, skipped where `bound` (<= every value) shows it a no-op."""
+    return values if bound > 2 * MIN_SECONDS else np.maximum(values, MIN_SECONDS, out=values)
+
+
+class Cell(deque):
+    """A cell's latest (step, value) pairs, oldest first (aged ones dropped when read), the values
+    sorted, their median (None: fewer than `min_samples`) and the step at which to read it again."""
+
+    __slots__ = ("median", "sorted", "until")
 
 
 class CellMedians:
@@ -63,52 +78,65 @@ class CellMedians:
     def __init__(self, *, window: int, horizon: int, min_samples: int, max_cells: int, empty: float) -> None:
         self.window, self.horizon, self.min_samples, self.max_cells = window, horizon, min_samples, max_cells
         self.empty = empty  # the level before anything was seen
-        self.cells: OrderedDict[tuple[int, int], deque[tuple[int, float]]] = OrderedDict()  # -> (step, value)
+        self.cells: OrderedDict[tuple[int, int], Cell] = OrderedDict()  # least recently seen first
         self.recent: deque[tuple[int, float]] = deque(maxlen=max(horizon, min_samples))
-        self._rows: dict[int, tuple[list[int], list[float]]] = {}  # row -> its fresh cells; valid at _now
-        self._now = -1
+        self.rows: dict[int, dict[int, Cell]] = {}  # R bucket -> B bucket -> cell, by B
+        self.version, self._key = 0, (-1, -1)  # values seen; (now, version) of _points
+        self._points: dict[int, tuple[list[int], list[float]]] = {}  # row -> points(now, row), _key = (now, version)
 
-    def add(self, now: int, requests: int, tokens: int, value: float) -> None:
-        cell = (bucket(requests), bucket(tokens))
-        values = self.cells.pop(cell, None) or deque(maxlen=self.window)
+    def add(self, now: int, cell: tuple[int, int], value: float) -> None:
+        values = self.cells.get(cell)
+        if values is None:
+            values = self.cells[cell] = Cell(maxlen=self.window)
+            values.sorted = []
+            self.rows[cell[0]] = dict(sorted({**self.rows.get(cell[0], {}), cell[1]: values}.items()))
+            if len(self.cells) > self.max_cells:
+                (row, b), _ = self.cells.popitem(last=False)
+                del self.rows[row][b]
+        else:
+            self.cells.move_to_end(cell)
+            if len(values) == self.window:  # the oldest goes
+                del values.sorted[bisect_left(values.sorted, values.popleft()[1])]
         values.append((now, value))
-        self.cells[cell] = values  # most recently seen last
-        if len(self.cells) > self.max_cells:
-            self.cells.popitem(last=False)
+        insort(values.sorted, value)
+        values.until = now
         self.recent.append((now, value))
-        self._now = -1
-
-    def _fresh(self, now: int, entries: deque[tuple[int, float]]) -> list[float]:
-        return [v for t, v in entries if now - t < self.horizon]
+        self.version += 1
 
     def level(self, now: int) -> float:
         """Median over every cell within the horizon (at least the `min_samples` latest values)."""
-        fresh = self._fresh(now, self.recent)
+        fresh = [v for t, v in self.recent if now - t < self.horizon]
         if len(fresh) < self.min_samples:
             fresh = [v for _, v in list(self.recent)[-self.min_samples:]]
         return median(fresh) if fresh else self.empty
 
-    def _row(self, now: int, row: int) -> tuple[list[int], list[float]]:
-        if now != self._now:
-            self._rows, self._now = {}, now
-        if row not in self._rows:
-            points = sorted((b, median(f)) for (r, b), values in self.cells.items()
-                            if r == row and len(f := self._fresh(now, values)) >= self.min_samples)
-            self._rows[row] = ([b for b, _ in points], [m for _, m in points]) if points else ([], [self.level(now)])
-        return self._rows[row]
-
-    def at(self, now: int, requests: int, tokens: Tokens = 0) -> float | np.ndarray:
-        """Value at (R, B): interpolated along B between the row's fresh cells; elementwise over arrays."""
-        xs, ys = self._row(now, bucket(requests))
-        if not xs:
-            return np.full(np.shape(tokens), ys[0]) if isinstance(tokens, np.ndarray) else ys[0]
-        value = np.interp(bucket(tokens), xs, ys)
-        return value if isinstance(tokens, np.ndarray) else float(value)
+    def points(self, now: int, row: int) -> tuple[list[int], list[float]]:
+        """A row's cells with `min_samples` fresh values: B buckets and medians, by B (none: [], [level])."""
+        if self._key != (now, self.version):
+            self._points, self._key = {}, (now, self.version)
+        found = self._points.get(row)
+        if found is None:
+            xs, ys, horizon, least = [], [], self.horizon, self.min_samples
+            for b, values in (self.rows.get(row) or {}).items():
+                if now >= values.until:
+                    while values and now - values[0][0] >= horizon:  # aged out
+                        del values.sorted[bisect_left(values.sorted, values.popleft()[1])]
+                    ordered, n = values.sorted, len(values)
+                    values.until = values[0][0] + horizon if n >= least else math.inf  # inf: until a value comes
+                    values.median = None if n < least else ordered[n // 2] if n % 2 else \
+                        (ordered[n // 2 - 1] + ordered[n // 2]) / 2
+                if values.median is not None:
+                    xs.append(b)
+                    ys.append(values.median)
+            found = self._points[row] = (xs, ys) if xs else ([], [self.level(now)])
+        return found
 
 
 class LiveStepCost:
     """`prior` corrected by the load measured on the engine's own steps. Has `draft_seconds` and
     `verify_seconds` (so the engine keeps its drafting gate) exactly when the prior has them."""
+
+    SPLIT = False  # a whole-step prior is priced as a split one with no drafting and no overhead
 
     def __new__(cls, prior: StepCost | None = None, **options: int) -> LiveStepCost:
         if cls is LiveStepCost and isinstance(prior, SplitStepCost):
@@ -121,32 +149,93 @@ class LiveStepCost:
             raise ValueError("window, horizon, min_samples and max_cells must be >= 1")
         self.prior: Any = prior.prior if isinstance(prior, LiveStepCost) else prior  # one live layer
         self.steps = 0  # decode steps observed
-
-        def cells(empty: float) -> CellMedians:
-            return CellMedians(window=window, horizon=horizon, min_samples=min_samples, max_cells=max_cells,
-                               empty=empty)
-
-        self.step_ratios, self.draft_ratios, self.verify_ratios = cells(1.0), cells(1.0), cells(1.0)
-        self.overhead = cells(0.0)  # seconds per step outside the graphs' prior (split priors)
+        cells = partial(CellMedians, window=window, horizon=horizon, min_samples=min_samples, max_cells=max_cells)
+        self.step_ratios, self.draft_ratios, self.verify_ratios = cells(empty=1.0), cells(empty=1.0), cells(empty=1.0)
+        self.overhead = cells(empty=0.0)  # seconds per step outside the graphs' prior (split priors)
+        self._tables: dict[int, tuple[Any, ...]] = {}  # R -> _prior_table(R), for the prior _tables_of
+        self._prices: dict[int, tuple[Any, ...]] = {}  # R -> this step's _build at R (`observe` drops them)
+        self._tables_of = self.prior
 
     def observe(self, record: StepRecord) -> None:
         """Learn from one timed decode step (the engine calls this after every step)."""
         if record.requests < 1:
             return
         self.steps += 1
-        spent = record.total_seconds - record.seconds.get("prefill", 0.0)
-        self._ratio(self.step_ratios, record, spent, self._step_prior(record))
+        self._prices.clear()
+        rows, tokens, seconds, drafted = record.requests, record.verified_tokens, record.seconds, record.drafted
+        table = self._prior_table(rows, min(max(tokens + 1, 1), LIMIT))
+        known = 0 <= tokens < table[0].size
+        prior = float(table[0][tokens] if known else self._prior(rows, tokens))
+        row, draft = table[5], table[3] if drafted else 0.0
+        cell = (row, int(table[1][tokens]) if known else bucket(tokens))
+        self._ratio(self.step_ratios, cell, record.total_seconds - seconds.get("prefill", 0.0), float(draft + prior))
+        if self.SPLIT:
+            self._ratio(self.verify_ratios, cell, seconds.get("verify", 0.0), prior)
+            self.overhead.add(self.steps, (row, 0),
+                              seconds.get("commit", 0.0) + (0.0 if drafted else seconds.get("schedule", 0.0)))
+            if drafted:
+                drafting = seconds.get("draft", 0.0) + seconds.get("heads", 0.0) + seconds.get("schedule", 0.0)
+                self._ratio(self.draft_ratios, (row, 0), drafting, draft)
 
-    def _ratio(self, cells: CellMedians, record: StepRecord, seconds: float, prior: float, tokens: int = -1) -> None:
+    def _ratio(self, cells: CellMedians, cell: tuple[int, int], seconds: float, prior: float) -> None:
         if seconds > 0 and prior > MIN_SECONDS:
-            cells.add(self.steps, record.requests, record.verified_tokens if tokens < 0 else tokens, seconds / prior)
+            cells.add(self.steps, cell, seconds / prior)
 
-    def _step_prior(self, record: StepRecord) -> float:
-        return float(self.prior.seconds(record.requests, record.verified_tokens))
+    def _prior(self, requests: int, tokens: Tokens) -> Any:
+        """The prior's verification (a whole-step prior's step)."""
+        return (self.prior.verify_seconds if self.SPLIT else self.prior.seconds)(requests, tokens)
+
+    def _prior_table(self, requests: int, n: int) -> tuple[Any, ...]:
+        """At R, once (priors are immutable): `_prior` over token counts 0 .. >= n - 1, their B buckets,
+        arange(last bucket + 1), the prior's drafting, its least value over the counts, R's bucket."""
+        if self._tables_of is not self.prior:  # a new prior: new tables
+            self._tables, self._prices, self._tables_of = {}, {}, self.prior
+        table = self._tables.get(requests)
+        if table is None or table[0].size < n:
+            tokens = np.arange(max(64, 1 << (n - 1).bit_length()))  # 2**k counts: see _price
+            prior = np.broadcast_to(np.asarray(self._prior(requests, tokens), dtype=np.float64), tokens.shape)
+            buckets, draft = bucket(tokens), float(self.prior.draft_seconds(requests)) if self.SPLIT else 0.0
+            table = (prior, buckets, np.arange(buckets[-1] + 1.0), draft, float(prior.min()), bucket(requests))
+            self._tables[requests] = table
+        return table
+
+    def _build(self, prior: np.ndarray, buckets: np.ndarray, span: np.ndarray, draft: float, low: float,
+               row: int) -> tuple[Any, ...]:
+        """(seconds, verification) at R's bucket `row` where the prior is `prior` (>= low) and B's buckets
+        `buckets` (span = arange(max + 1)), and drafting: interpolated along B (module docstring)."""
+        now = self.steps
+        draft *= float(self.draft_ratios.points(now, row)[1][0])  # at B = 0: the row's first value
+        overhead = float(self.overhead.points(now, row)[1][0])
+        xs, ys = (self.verify_ratios if self.SPLIT else self.step_ratios).points(now, row)
+        verify = prior * (np.interp(span, xs, ys)[buckets] if len(xs) > 1 else ys[0])
+        verify += overhead
+        bound = low * min(ys) + overhead if low >= 0 and min(ys) >= 0 else -math.inf  # rounding is monotone
+        verify = floored(verify, bound)
+        return floored(draft + verify, draft + max(bound, MIN_SECONDS)), verify, (draft,)
+
+    def _price(self, requests: int, tokens: Tokens, which: int) -> Any:
+        """This step's price at R (which: 0 the step, 1 verification, 2 drafting): looked up in this step's
+        table at R where tokens are counts below LIMIT (an int, an int array), else priced the same way."""
+        top = -1
+        if isinstance(tokens, np.ndarray):
+            if tokens.dtype.kind in "iu" and tokens.size:  # their OR is < 2**k iff they all are, < 0 if one is
+                top = tokens.item() if tokens.size == 1 else int(np.bitwise_or.reduce(tokens, axis=None))
+        elif isinstance(tokens, (int, np.integer)):
+            top = tokens = int(tokens)
+        if 0 <= top < LIMIT:
+            prices = self._prices.get(requests)
+            if prices is None or prices[0].size <= top or self._tables_of is not self.prior:
+                prices = self._prices[requests] = self._build(*self._prior_table(requests, top + 1))
+            return prices[which][tokens] if isinstance(tokens, np.ndarray) else float(prices[which][tokens])
+        counts = np.asarray(tokens).reshape(-1)
+        prior = np.asarray(self._prior(requests, counts), dtype=np.float64)
+        buckets, (*_, draft, _, row) = bucket(counts), self._prior_table(requests, 1)
+        price = self._build(prior, buckets, np.arange(buckets.max(initial=0) + 1.0), draft, -math.inf, row)[which]
+        return price.reshape(np.shape(tokens)) if isinstance(tokens, np.ndarray) else float(price[0])
 
     def seconds(self, requests: int, tokens: Tokens) -> float | np.ndarray:
         """Predicted seconds of one decode step; elementwise over an array of token counts."""
-        return at_least(self.prior.seconds(requests, tokens) * self.step_ratios.at(self.steps, requests, tokens))
+        return self._price(requests, tokens, 0)
 
     @property
     def load_factor(self) -> float:
@@ -156,7 +245,7 @@ class LiveStepCost:
     def to_dict(self) -> dict[str, Any]:
         live: dict[str, Any] = {"load_factor": self.load_factor, "observed_steps": self.steps,
                                 "cells": len(self.step_ratios.cells)}
-        if isinstance(self, LiveSplitStepCost):
+        if self.SPLIT:
             live.update(draft_factor=self.draft_ratios.level(self.steps),
                         verify_factor=self.verify_ratios.level(self.steps),
                         overhead_ms=1e3 * self.overhead.level(self.steps))
@@ -167,30 +256,11 @@ class LiveSplitStepCost(LiveStepCost):
     """Over a prior that prices drafting and verification apart: each part scaled by what was
     learned for it, plus the per-step overhead, so the drafting gate sees a slowed drafter or target."""
 
-    def observe(self, record: StepRecord) -> None:
-        super().observe(record)
-        if record.requests < 1:
-            return
-        seconds, rows = record.seconds, record.requests
-        self._ratio(self.verify_ratios, record, seconds.get("verify", 0.0),
-                    float(self.prior.verify_seconds(rows, record.verified_tokens)))
-        overhead = seconds.get("commit", 0.0) + (0.0 if record.drafted else seconds.get("schedule", 0.0))
-        self.overhead.add(self.steps, rows, 0, overhead)
-        if record.drafted:
-            drafting = sum(seconds.get(phase, 0.0) for phase in ("draft", "heads", "schedule"))
-            self._ratio(self.draft_ratios, record, drafting, float(self.prior.draft_seconds(rows)), tokens=0)
-
-    def _step_prior(self, record: StepRecord) -> float:
-        draft = self.prior.draft_seconds(record.requests) if record.drafted else 0.0
-        return float(draft + self.prior.verify_seconds(record.requests, record.verified_tokens))
+    SPLIT = True
 
     def draft_seconds(self, requests: int) -> float:
-        return float(self.prior.draft_seconds(requests)) * float(self.draft_ratios.at(self.steps, requests))
+        return self._price(requests, 0, 2)
 
     def verify_seconds(self, requests: int, tokens: Tokens) -> float | np.ndarray:
         """The target's verification and the step's fixed overhead (plain decoding pays both)."""
-        scaled = self.prior.verify_seconds(requests, tokens) * self.verify_ratios.at(self.steps, requests, tokens)
-        return at_least(scaled + float(self.overhead.at(self.steps, requests)))
-
-    def seconds(self, requests: int, tokens: Tokens) -> float | np.ndarray:
-        return at_least(self.draft_seconds(requests) + self.verify_seconds(requests, tokens))
+        return self._price(requests, tokens, 1)

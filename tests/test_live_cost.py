@@ -4,8 +4,10 @@ number of steps, and moves the schedule when relative costs change; then comes b
 from __future__ import annotations
 
 import time
+from collections import OrderedDict, deque
 from collections.abc import Mapping
 from dataclasses import dataclass
+from statistics import median
 
 import numpy as np
 import pytest
@@ -18,7 +20,7 @@ from dspark.runtime.batch_loop import BatchEngine
 from dspark.runtime.cost_model import StepCostModel
 from dspark.runtime.drafting_gate import SplitStepCost
 from dspark.runtime.kv_cache import Capacity
-from dspark.runtime.live_cost import LiveStepCost
+from dspark.runtime.live_cost import LIMIT, LiveStepCost, bucket
 from dspark.runtime.model_info import ModelInfo
 from dspark.runtime.prefix_scheduler import SchedulerConfig
 from dspark.runtime.stats import StepRecord
@@ -170,6 +172,130 @@ def test_memory_is_bounded():
     for cells in (live.step_ratios, live.draft_ratios, live.verify_ratios, live.overhead):
         assert len(cells.cells) <= 64 and all(len(v) <= cells.window for v in cells.cells.values())
         assert len(cells.recent) <= 32
+
+
+class Uncached:
+    """The model as the module docstring states it, recomputed from the raw history at every price
+    (no tables, no kept medians): the oracle for LiveStepCost's caches."""
+
+    def __init__(self, prior, *, window: int = 16, horizon: int = 32, min_samples: int = 3, max_cells: int = 256):
+        self.prior, self.window, self.horizon, self.min_samples, self.max_cells = (prior, window, horizon,
+                                                                                   min_samples, max_cells)
+        self.split, self.steps = isinstance(prior, SplitStepCost), 0
+        self.cells = {name: OrderedDict() for name in ("step", "draft", "verify", "overhead")}
+        self.recent = {name: deque(maxlen=max(horizon, min_samples)) for name in self.cells}
+
+    def add(self, name: str, requests: int, tokens: int, value: float) -> None:
+        cell = (bucket(requests), bucket(tokens))
+        values = self.cells[name].pop(cell, None) or deque(maxlen=self.window)
+        values.append((self.steps, value))
+        self.cells[name][cell] = values
+        if len(self.cells[name]) > self.max_cells:
+            self.cells[name].popitem(last=False)
+        self.recent[name].append((self.steps, value))
+
+    def observe(self, step: StepRecord) -> None:
+        if step.requests < 1:
+            return
+        self.steps += 1
+        r, b, seconds = step.requests, step.verified_tokens, step.seconds
+
+        def ratio(name: str, spent: float, prior: float, tokens: int) -> None:
+            if spent > 0 and prior > 1e-9:
+                self.add(name, r, tokens, spent / prior)
+
+        if not self.split:
+            ratio("step", step.total_seconds - seconds["prefill"], float(self.prior.seconds(r, b)), b)
+            return
+        draft = self.prior.draft_seconds(r) if step.drafted else 0.0
+        ratio("step", step.total_seconds - seconds["prefill"], float(draft + self.prior.verify_seconds(r, b)), b)
+        ratio("verify", seconds["verify"], float(self.prior.verify_seconds(r, b)), b)
+        self.add("overhead", r, 0, seconds["commit"] + (0.0 if step.drafted else seconds["schedule"]))
+        if step.drafted:
+            ratio("draft", sum(seconds.get(p, 0.0) for p in ("draft", "heads", "schedule")),
+                  float(self.prior.draft_seconds(r)), 0)
+
+    def at(self, name: str, requests: int, tokens=0):
+        def fresh(entries):
+            return [v for t, v in entries if self.steps - t < self.horizon]
+
+        points = sorted((b, median(f)) for (r, b), entries in self.cells[name].items()
+                        if r == bucket(requests) and len(f := fresh(entries)) >= self.min_samples)
+        if points:
+            return np.interp(bucket(tokens), [b for b, _ in points], [m for _, m in points])
+        level = fresh(self.recent[name])
+        if len(level) < self.min_samples:
+            level = [v for _, v in list(self.recent[name])[-self.min_samples:]]
+        return np.full(np.shape(tokens), median(level) if level else 0.0 if name == "overhead" else 1.0)
+
+    def draft_seconds(self, requests: int) -> float:
+        return float(self.prior.draft_seconds(requests)) * float(self.at("draft", requests))
+
+    def verify_seconds(self, requests: int, tokens):
+        scaled = self.prior.verify_seconds(requests, tokens) * self.at("verify", requests, tokens)
+        return np.maximum(scaled + float(self.at("overhead", requests)), 1e-9)
+
+    def seconds(self, requests: int, tokens):
+        if not self.split:
+            return np.maximum(self.prior.seconds(requests, tokens) * self.at("step", requests, tokens), 1e-9)
+        return np.maximum(self.draft_seconds(requests) + self.verify_seconds(requests, tokens), 1e-9)
+
+
+@dataclass(frozen=True)
+class Scaled:
+    """`inner`, every part `by`× (a prior swapped in mid-run)."""
+
+    inner: Split | StepCostModel
+    by: float
+
+    def draft_seconds(self, requests: int) -> float:
+        return self.by * self.inner.draft_seconds(requests)
+
+    def verify_seconds(self, requests: int, tokens):
+        return self.by * self.inner.verify_seconds(requests, tokens)
+
+    def seconds(self, requests: int, tokens):
+        return self.by * self.inner.seconds(requests, tokens)
+
+
+@pytest.mark.parametrize("split", [True, False], ids=["split", "whole-step"])
+def test_cached_prices_equal_the_model_recomputed_from_scratch(split):
+    """Random observation sequences (load changes, plain and idle steps, few and many cells, cells evicted,
+    values ageing out while nothing is priced, a machine so fast that prices floor at 1 ns, a prior swapped
+    in mid-step): every price the engine asks for equals the uncached model's, to 1e-12."""
+    g = np.random.default_rng(7)
+
+    def check(r: int) -> None:
+        tokens = r + np.arange(8 * r + 1)
+        for asked in (tokens, tokens[::-1], np.array([r]), int(tokens[-1]), round(r * 1.7), 64, tokens + 0.5,
+                      np.array([40 * r + 1000, r]), np.array([2 * r, -1]), LIMIT + 3):
+            np.testing.assert_allclose(live.seconds(r, asked), reference.seconds(r, asked), rtol=1e-12, atol=0)
+            if split:
+                np.testing.assert_allclose(live.verify_seconds(r, asked), reference.verify_seconds(r, asked),
+                                           rtol=1e-12, atol=0)
+        if split:
+            assert live.draft_seconds(r) == pytest.approx(reference.draft_seconds(r), rel=1e-12, abs=0)
+
+    for trial, speed in enumerate((1.0, 1.0, 1e-7)):  # seconds the machine takes per second of the prior
+        prior = PRIOR if split else StepCostModel(2e-3, 1e-3, 1e-4)
+        live, reference = LiveStepCost(prior, max_cells=12 + 40 * trial), Uncached(prior, max_cells=12 + 40 * trial)
+        assert isinstance(live, SplitStepCost) == split
+        for step in range(200):
+            requests = int(g.choice([1, 1, 2, 3, 8, 64]))
+            load = speed * (3.0 if (step // 60) % 2 else 1.0)
+            step_record = record(requests, requests * int(g.integers(1, 9)), draft=load * g.uniform(0.7, 1.4),
+                                 verify=speed * g.uniform(0.8, 1.3), commit=speed * g.uniform(0, 1e-3),
+                                 drafted=g.random() < 0.8, prefill=g.choice([0.0, 0.01]))
+            step_record = step_record if g.random() < 0.95 else record(0, 0)  # or an idle step
+            live.observe(step_record)
+            reference.observe(step_record)
+            if g.random() < 0.3:  # steps go by unpriced: cells age out between prices
+                continue
+            for r in {requests, int(g.choice([1, 4, 64]))}:
+                check(r)
+            if step >= 150 and not isinstance(live.prior, Scaled):  # a new prior, priced by at once
+                live.prior = reference.prior = Scaled(live.prior, 1.5)
+                check(requests)
 
 
 # -- the engine, on the demo pair, on a device whose clock we control --------------------------------------
