@@ -158,7 +158,7 @@ class BatchEngine:
         """Refit Algorithm 1's step cost model t(R, B) on the last decode steps as actually timed
         (prefill excluded), so current machine load reaches the scheduler. The drafting gate keeps
         the engine's measured table."""
-        samples = [(s.requests, s.verified_tokens, s.total_seconds - s.seconds.get("prefill", 0.0))
+        samples = [(s.requests, s.padded_tokens, s.total_seconds - s.seconds.get("prefill", 0.0))
                    for s in self.stats.recent(last_steps) if s.requests and s.drafted]
         self.cost_model = StepCostModel.fit(samples)
         return self.cost_model
@@ -220,7 +220,7 @@ class BatchEngine:
             step=self._step, requests=rows, admitted_new=len(new), lengths=list(decision.lengths),
             verified_tokens=batch.tokens, padded_tokens=batch.padded_tokens, acceptance_lengths=accepted,
             expected_accepts=decision.expected_accepts,
-            predicted_seconds=self.cost_model.seconds(rows, batch.tokens) if self.cost_model else None,
+            predicted_seconds=self.cost_model.seconds(rows, batch.padded_tokens) if self.cost_model else None,
             seconds=seconds,
             cpu_percent=None if load is None else load.cpu_percent,
             gpu_percent=None if load is None else load.gpu_percent,

@@ -162,7 +162,8 @@ class LiveStepCost:
             return
         self.steps += 1
         self._prices.clear()
-        rows, tokens, seconds, drafted = record.requests, record.verified_tokens, record.seconds, record.drafted
+        # the tokens the step computed: a padded verification's R·W (what the table's B is measured as)
+        rows, tokens, seconds, drafted = record.requests, record.padded_tokens, record.seconds, record.drafted
         table = self._prior_table(rows, min(max(tokens + 1, 1), LIMIT))
         known = 0 <= tokens < table[0].size
         prior = float(table[0][tokens] if known else self._prior(rows, tokens))

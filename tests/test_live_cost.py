@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from collections import OrderedDict, deque
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from statistics import median
 
 import numpy as np
@@ -424,3 +424,14 @@ def test_runtime_engines_learn_live_load_unless_told_not_to(live):
             engine.submit([67, 24, 319, 84], max_new_tokens=8)
             engine.run_until_done()
             assert engine.cost_model.steps > 0
+
+
+def test_a_step_is_learnt_at_the_tokens_it_computed_not_those_it_verified():
+    """A padded verification computes R·W tokens whatever the requests verified: a step of 4 rows × 4
+    that verified 5 real tokens and took what the prior gives 16 tokens is not slow, one that took
+    twice that is."""
+    live = LiveStepCost(PRIOR)
+    computed = replace(record(4, 16, draft=2.0, verify=2.0), verified_tokens=5)
+    for _ in range(40):
+        live.observe(computed)
+    assert factor(live, 4, 16) == pytest.approx(2.0, rel=0.05)
