@@ -26,6 +26,7 @@ setup(
         *(f"dspark.plugins.{op}" for op in PLUGIN_OPS),
         "dspark.tools.bench",
         "dspark.runtime.serving",
+        "dspark.runtime.capi",
     ],
     package_dir={"dspark": ".", **{f"dspark.{name}": name for name in SUBPACKAGES}},
     # The bundled demo pair (models/demo/{target,dspark,dflash}) ships inside dspark.models.
@@ -33,6 +34,8 @@ setup(
     package_data={
         "dspark.models": ["demo/README.md", "demo/*/*.json", "demo/*/*.safetensors"],
         "dspark.runtime.serving": ["static/*"],  # the dashboard page: plain HTML/JS/CSS, no build step
+        # The C API's sources ship so that an installed dspark can build libdspark (python -m dspark.tools.capi).
+        "dspark.runtime.capi": ["*.h", "*.hpp", "*.c", "*.cmake", "CMakeLists.txt", "examples/*"],
         "dspark.plugins": [
             *("*.md", "*.sh", "*.cpp", "CMakeLists.txt", "common/*"),
             *("*/*.md", "*/*.yaml", "*/*.cu", "*/*.h", "*/*.cpp"),
