@@ -65,8 +65,8 @@ setup(
         "bench": ["transformers>=4.51", "onnxruntime-genai>=0.18"],
         # uvloop + httptools: uvicorn's fast event loop and HTTP parser (about a tenth of the
         # 64-client throughput in tools/serve_bench)
-        "serve": ["uvicorn>=0.30", "starlette>=0.38", "prometheus-client>=0.20", "uvloop>=0.19; sys_platform != 'win32'",
-                  "httptools>=0.6"],
+        "serve": ["uvicorn>=0.30", "starlette>=0.38", "prometheus-client>=0.20",
+                  "uvloop>=0.19; sys_platform != 'win32'", "httptools>=0.6"],
     },
     entry_points={
         "console_scripts": [
