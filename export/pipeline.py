@@ -28,7 +28,8 @@ from . import contract as C
 from . import feeds as F
 from . import parity as P
 from .drafter_graphs import BackboneGraph, HeadGreedyGraph, HeadStepGraph
-from .fused_target import check_fusable, export_fused_target, fused_parity
+from .fused_parity import fused_parity
+from .fused_target import check_fusable, export_fused_target
 from .lower import MAX_OPSET, MIN_OPSET, TWO_GB, ExportError, lower
 from .manifest import FORMAT_VERSION, file_entries, model_section, write_manifest
 from .target_graph import StaticCacheTargetGraph, TargetGraph
@@ -242,7 +243,7 @@ def _export_fused(
     if not check:
         graphs[spec.name] = entry
         return
-    reference = target if dtype == "float32" else copy.deepcopy(target).float()  # see fused_target.TOLERANCE
+    reference = target if dtype == "float32" else copy.deepcopy(target).float()  # see fused_parity.TOLERANCE
     try:
         sess = P.session(files[0])
         with torch.no_grad():

@@ -20,13 +20,8 @@ from safetensors.torch import load_file
 
 from dspark.export import contract as C
 from dspark.export import feeds as F
-from dspark.export.fused_target import (
-    SharedKVRunner,
-    build_fused_target,
-    causal_slots,
-    export_fused_target,
-    tree_slots,
-)
+from dspark.export.fused_parity import SharedKVRunner, causal_slots, tree_slots
+from dspark.export.fused_target import build_fused_target, export_fused_target
 from dspark.export.lower import ExportError, lower
 from dspark.export.target_graph import TargetGraph
 from dspark.models import DrafterConfig, TargetModel

@@ -37,7 +37,8 @@ import torch
 
 from dspark.export import contract as C
 from dspark.export import feeds as F
-from dspark.export.fused_target import SharedKVRunner, causal_slots, export_fused_target
+from dspark.export.fused_parity import SharedKVRunner, causal_slots
+from dspark.export.fused_target import export_fused_target
 from dspark.export.lower import lower
 from dspark.export.target_graph import TargetGraph
 from dspark.models import DrafterConfig, TargetModel
