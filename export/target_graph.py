@@ -39,22 +39,22 @@ def attend_static(
     k: torch.Tensor,  # [B, kvh, T, hd] new keys
     v: torch.Tensor,  # [B, kvh, T, hd]
     mask: torch.Tensor,  # [B, 1, T, C+T] bool: cache slots, then new tokens
+    scale: float | None = None,  # None = 1/sqrt(hd)
 ) -> torch.Tensor:
     """Same maths as `models.layers.attend` over keys cache ++ new, without materialising the
     concatenation: scores against both parts share one softmax. Returns [B, T, heads*hd]."""
     b, heads, t, hd = q.shape
     kvh = k.shape[1]
     q = q.reshape(b, kvh, heads // kvh, t, hd)
-    scores = (
-        torch.cat(
-            (
-                torch.matmul(q, cache_k.unsqueeze(2).transpose(-1, -2)),
-                torch.matmul(q, k.unsqueeze(2).transpose(-1, -2)),
-            ),
-            dim=-1,
-        )
-        * hd**-0.5
+    scores = torch.cat(
+        (
+            torch.matmul(q, cache_k.unsqueeze(2).transpose(-1, -2)),
+            torch.matmul(q, k.unsqueeze(2).transpose(-1, -2)),
+        ),
+        dim=-1,
     )  # [B, kvh, g, T, C+T]
+    if scale != 1.0:  # as `attend`: no multiply where q/k norms replace the scaling
+        scores = scores * (hd**-0.5 if scale is None else scale)
     scores = scores.masked_fill(~mask.unsqueeze(1), torch.finfo(scores.dtype).min)
     probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
     capacity = cache_k.shape[2]
@@ -65,13 +65,13 @@ def attend_static(
 
 
 def static_cache_attention(
-    mask: torch.Tensor,  # [B, 1, T, C+T] bool
     cache: tuple[torch.Tensor, ...],  # per layer key, value [B, kvh, C, hd]
 ) -> AttentionStep:
     """`attend_static` over layer i's cache buffers; the layer hands back only its new K/V."""
 
-    def step(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, KV]:
-        return attend_static(q, cache[2 * i], cache[2 * i + 1], k, v, mask), (k, v)
+    def step(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+             scale: float) -> tuple[torch.Tensor, KV]:
+        return attend_static(q, cache[2 * i], cache[2 * i + 1], k, v, mask, scale), (k, v)
 
     return step
 
@@ -94,5 +94,5 @@ class StaticCacheTargetGraph(nn.Module):
         attention_mask: torch.Tensor,  # [B, 1, T, C+T] bool
         *cache: torch.Tensor,  # per layer key, value [B, kvh, C, hd]
     ) -> tuple[torch.Tensor, ...]:
-        out = self.model.run(input_ids, position_ids, static_cache_attention(attention_mask, cache))
+        out = self.model.run(input_ids, position_ids, attention_mask, static_cache_attention(cache))
         return (out.logits, out.context_features, *(t for kv in out.present for t in kv))

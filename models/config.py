@@ -1,8 +1,8 @@
 """Model configs parsed from checkpoint `config.json` files and validated at the boundary.
 
-Target configs use Hugging Face field names (Qwen3, Llama); drafter configs use DeepSpec's
-field names exactly (`block_size`, `target_layer_ids`, `markov_rank`, ...), so a folder written
-by DeepSpec's `save_pretrained` loads unchanged.
+Target configs use Hugging Face field names (Qwen3, Llama, Gemma-4); drafter configs use
+DeepSpec's field names exactly (`block_size`, `target_layer_ids`, `markov_rank`, ...), so a folder
+written by DeepSpec's `save_pretrained` loads unchanged. Gemma-4's fields are read in `gemma4.py`.
 """
 
 from __future__ import annotations
@@ -21,8 +21,10 @@ class IncompatibleDrafterError(ValueError):
     """A drafter was not trained for the given target (vocab, hidden size, layer ids...)."""
 
 
-# Architecture deltas over the one decoder in `target.py`: Llama is Qwen3 without q/k norms.
+# Architecture deltas over the one decoder in `target.py`: Llama is Qwen3 without q/k norms;
+# Gemma-4 (`gemma4.py`) sets the remaining `DecoderConfig` fields.
 _ARCHITECTURES = {"qwen3": {"qk_norm": True}, "llama": {"qk_norm": False}}
+GEMMA4_MODEL_TYPES = ("gemma4", "gemma4_unified", "gemma4_text")
 MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
 
 
@@ -69,8 +71,27 @@ def _token_ids(value: Any) -> tuple[int, ...]:
 
 
 @dataclass(frozen=True)
+class AttentionLayout:
+    """What one layer's attention looks like (Gemma-4 mixes two layouts in one model)."""
+
+    head_dim: int
+    num_key_value_heads: int
+    rope_theta: float
+    rotary_pairs: int  # frequency pairs that rotate: head_dim // 2, fewer for partial RoPE
+    sliding_window: int | None = None  # a query sees the last `sliding_window` positions (itself included)
+    keys_are_values: bool = False  # no v_proj: V is made from the (pre-norm) key projection
+
+    def to_json(self) -> dict[str, Any]:
+        return {"head_dim": self.head_dim, "num_kv_heads": self.num_key_value_heads,
+                "sliding_window": self.sliding_window, "keys_are_values": self.keys_are_values}
+
+
+@dataclass(frozen=True)
 class DecoderConfig:
-    """Fields shared by the target decoder and the drafter's layers."""
+    """Fields shared by the target decoder and the drafter's layers.
+
+    The defaults are Qwen3's; the fields after `qk_norm` are the Gemma-4 deltas.
+    """
 
     vocab_size: int
     hidden_size: int
@@ -83,13 +104,39 @@ class DecoderConfig:
     rope_theta: float = 10000.0
     attention_bias: bool = False
     qk_norm: bool = True
+    hidden_act: str = "silu"  # or "gelu_pytorch_tanh"
+    sandwich_norm: bool = False  # norms before and after attention and MLP, then a per-layer scalar
+    value_norm: bool = False  # a weightless RMSNorm on V per head
+    embedding_scale: float = 1.0  # input embeddings are multiplied by it
+    attention_scale: float | None = None  # score scale; None = 1/sqrt(head_dim)
+    final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
+    layer_layouts: tuple[AttentionLayout, ...] = ()  # per layer; () = every layer from the fields above
+
+    def layout(self, layer: int) -> AttentionLayout:
+        if self.layer_layouts:
+            return self.layer_layouts[layer]
+        return AttentionLayout(self.head_dim, self.num_key_value_heads, self.rope_theta, self.head_dim // 2)
+
+    @property
+    def layouts(self) -> tuple[AttentionLayout, ...]:
+        return tuple(self.layout(i) for i in range(self.num_hidden_layers))
+
+    @property
+    def uniform_attention(self) -> bool:
+        """Every layer has the same K/V shape, no window and separate K and V projections."""
+        first = self.layout(0)
+        return all(lay == first for lay in self.layouts) and first.sliding_window is None \
+            and not first.keys_are_values
 
 
-def _decoder_fields(data: dict[str, Any], source: str) -> dict[str, Any]:
+def _decoder_fields(data: dict[str, Any], source: str, *, drafter: bool = False) -> dict[str, Any]:
     model_type = data.get("model_type", "qwen3")
+    if model_type in GEMMA4_MODEL_TYPES:
+        return _gemma4_decoder_fields(data, source, all_global=drafter)
     if model_type not in _ARCHITECTURES:
         raise CheckpointError(
-            f"{source}: model_type '{model_type}' is not supported (supported: {sorted(_ARCHITECTURES)})"
+            f"{source}: model_type '{model_type}' is not supported "
+            f"(supported: {sorted([*_ARCHITECTURES, 'gemma4'])})"
         )
     act = data.get("hidden_act", "silu")
     if act != "silu":
@@ -123,6 +170,99 @@ def _decoder_fields(data: dict[str, Any], source: str) -> dict[str, Any]:
     }
 
 
+_GEMMA4_LAYER_TYPES = ("sliding_attention", "full_attention")
+
+
+def _gemma4_text_config(data: dict[str, Any], source: str) -> dict[str, Any]:
+    """The text decoder's config of a Gemma-4 checkpoint (`text_config` of a
+    Gemma4ForConditionalGeneration); vision and audio towers are refused."""
+    if data.get("model_type") == "gemma4_text":
+        return data
+    towers = [name for name in ("vision_config", "audio_config") if data.get(name)]
+    if towers:
+        raise CheckpointError(f"{source}: Gemma-4 {' and '.join(towers)} towers are not supported "
+                              "(text-only targets: a checkpoint saved with vision_config = audio_config = null)")
+    text = data.get("text_config")
+    if not isinstance(text, dict):
+        raise CheckpointError(f"{source}: a '{data.get('model_type')}' config needs a 'text_config' object")
+    return {"tie_word_embeddings": data.get("tie_word_embeddings", True), **text}
+
+
+def _gemma4_decoder_fields(data: dict[str, Any], source: str, *, all_global: bool) -> dict[str, Any]:
+    """Gemma-4's deltas (DeepSpec's gemma4 path): sandwich norms and a per-layer scalar, GELU-tanh,
+    scaled embeddings, q/k/v norms instead of score scaling, sliding-window and global layers with
+    their own head dims, KV heads and RoPE, K = V on global layers, soft-capped logits. A drafter
+    (`all_global`) has global-style layers whatever its `layer_types` say, as DeepSpec builds them."""
+    unsupported = {
+        "MoE blocks (enable_moe_block)": data.get("enable_moe_block"),
+        "per-layer input embeddings (hidden_size_per_layer_input)": data.get("hidden_size_per_layer_input"),
+        "KV sharing across layers (num_kv_shared_layers)": data.get("num_kv_shared_layers"),
+        "double-wide MLPs (use_double_wide_mlp)": data.get("use_double_wide_mlp"),
+        "attention-logit soft-capping (attn_logit_softcapping)": data.get("attn_logit_softcapping"),
+    }
+    refused = [name for name, value in unsupported.items() if value]
+    if refused:
+        raise CheckpointError(f"{source}: Gemma-4 {', '.join(refused)} not supported (dense text decoders only, "
+                              "as DeepSpec's Gemma-4 drafter requires)")
+    act = data.get("hidden_activation") or data.get("hidden_act") or "gelu_pytorch_tanh"
+    if act != "gelu_pytorch_tanh":
+        raise CheckpointError(f"{source}: hidden_activation '{act}' is not supported (only 'gelu_pytorch_tanh')")
+    heads = _require(data, "num_attention_heads", source)
+    hidden = _require(data, "hidden_size", source)
+    layers = _require(data, "num_hidden_layers", source)
+    kv_heads = int(data.get("num_key_value_heads") or heads)
+    head_dim = int(data.get("head_dim") or hidden // heads)
+    types = ["full_attention"] * layers if all_global else data.get("layer_types")
+    if not isinstance(types, list) or len(types) != layers or not set(types) <= set(_GEMMA4_LAYER_TYPES):
+        raise CheckpointError(f"{source}: 'layer_types' must list {layers} entries from {_GEMMA4_LAYER_TYPES}")
+    rope = data.get("rope_parameters") or {}
+
+    def layout(kind: str) -> AttentionLayout:
+        params = rope.get(kind) or {}
+        rope_type = params.get("rope_type", "default")
+        if rope_type not in ("default", "proportional") or float(params.get("factor", 1.0)) != 1.0:
+            raise CheckpointError(f"{source}: {kind} rope {params} is not supported "
+                                  "(only 'default' and unscaled 'proportional')")
+        is_global = kind == "full_attention"
+        dim = int(data.get("global_head_dim") or head_dim) if is_global else head_dim
+        k_eq_v = is_global and bool(data.get("attention_k_eq_v"))
+        kvh = int(data.get("num_global_key_value_heads") or kv_heads) if k_eq_v else kv_heads
+        if heads % kvh or dim % 2:
+            raise CheckpointError(f"{source}: {kind}: {heads} heads over {kvh} KV heads of dim {dim} do not fit")
+        fraction = float(params.get("partial_rotary_factor", 1.0)) if rope_type == "proportional" else 1.0
+        return AttentionLayout(
+            head_dim=dim, num_key_value_heads=kvh, rope_theta=float(params.get("rope_theta", 10000.0)),
+            rotary_pairs=int(fraction * dim // 2),
+            sliding_window=None if is_global else _require(data, "sliding_window", source),
+            keys_are_values=k_eq_v,
+        )
+
+    layouts = tuple(layout(kind) for kind in types)
+    first = layouts[0]
+    cap = data.get("final_logit_softcapping")
+    return {
+        "vocab_size": _require(data, "vocab_size", source),
+        "hidden_size": hidden,
+        "intermediate_size": _require(data, "intermediate_size", source),
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        # the first layer's, for readers of one shape; `layer_layouts` holds every layer's
+        "num_key_value_heads": first.num_key_value_heads,
+        "head_dim": first.head_dim,
+        "rms_norm_eps": float(data.get("rms_norm_eps", 1e-6)),
+        "rope_theta": first.rope_theta,
+        "attention_bias": bool(data.get("attention_bias", False)),
+        "qk_norm": True,
+        "hidden_act": act,
+        "sandwich_norm": True,
+        "value_norm": True,
+        "embedding_scale": hidden**0.5,
+        "attention_scale": 1.0,
+        "final_logit_softcapping": None if cap is None else float(cap),
+        "layer_layouts": layouts,
+    }
+
+
 @dataclass(frozen=True)
 class TargetConfig(DecoderConfig):
     """A Hugging Face causal LM config (Qwen3ForCausalLM, LlamaForCausalLM)."""
@@ -136,9 +276,12 @@ class TargetConfig(DecoderConfig):
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], source: str = "target config") -> TargetConfig:
+        model_type = data.get("model_type", "qwen3")
+        if model_type in GEMMA4_MODEL_TYPES:
+            data = _gemma4_text_config(data, source)  # Gemma4ForConditionalGeneration nests it
         return cls(
             **_decoder_fields(data, source),
-            model_type=data.get("model_type", "qwen3"),
+            model_type=model_type,
             tie_word_embeddings=bool(data.get("tie_word_embeddings", False)),
             max_position_embeddings=int(data.get("max_position_embeddings", 32768)),
             eos_token_ids=_token_ids(data.get("eos_token_id")),
@@ -190,7 +333,7 @@ class DrafterConfig(DecoderConfig):
         with_markov = confidence and bool(data.get("confidence_head_with_markov", False))
         if with_markov and not rank:
             raise CheckpointError(f"{source}: confidence_head_with_markov needs markov_rank > 0")
-        fields = _decoder_fields(data, source)
+        fields = _decoder_fields(data, source, drafter=True)
         mask_token_id = data.get("mask_token_id")
         if not isinstance(mask_token_id, int) or not 0 <= mask_token_id < fields["vocab_size"]:
             raise CheckpointError(f"{source}: mask_token_id {mask_token_id!r} is not a token id of the vocab")

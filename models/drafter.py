@@ -19,7 +19,7 @@ from .checkpoint import load_weights, read_tensors
 from .config import CheckpointError, DrafterConfig, TargetConfig, check_drafter_fits_target
 from .heads import MARKOV_HEADS, ConfidenceHead
 from .layers import RMSNorm, RotaryEmbedding, attend
-from .target import DecoderLayer, KVCache, TargetModel
+from .target import DecoderLayer, KVCache, TargetModel, empty_kv_cache, softcap
 
 SHARED_WITH_TARGET = ("embed_tokens.weight", "lm_head.weight")
 
@@ -52,9 +52,7 @@ class DraftLayer(DecoderLayer):
         blk_k, blk_v = self.self_attn.keys_values(h, *block_rope)
         k = torch.cat((ctx_k, blk_k), dim=2)
         v = torch.cat((ctx_v, blk_v), dim=2)
-        x = x + self.self_attn.o_proj(attend(q, k, v, mask))
-        x = x + self.mlp(self.post_attention_layernorm(x))
-        return x, (ctx_k, ctx_v)
+        return self.add_attention(x, attend(q, k, v, mask, self.self_attn.scale)), (ctx_k, ctx_v)
 
 
 class DSparkDrafter(nn.Module):
@@ -64,12 +62,13 @@ class DSparkDrafter(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.fc = nn.Linear(config.context_feature_size, config.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.layers = nn.ModuleList(DraftLayer(config) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DraftLayer(config, layout) for layout in config.layouts)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.markov_head = MARKOV_HEADS[config.markov_head_type](config) if config.has_markov_head else None
         self.confidence_head = ConfidenceHead(config) if config.enable_confidence_head else None
-        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta)
+        # Every draft layer has one layout (Gemma-4 drafters: all global-style).
+        self.rotary = RotaryEmbedding.for_layout(config.layout(0))
 
     # -- parallel backbone ------------------------------------------------------------------
     def project_context(self, context_features: torch.Tensor) -> torch.Tensor:
@@ -77,9 +76,7 @@ class DSparkDrafter(nn.Module):
         return self.hidden_norm(self.fc(context_features))
 
     def empty_context_cache(self, batch: int, dtype: torch.dtype = torch.float32) -> KVCache:
-        c = self.config
-        shape = (batch, c.num_key_value_heads, 0, c.head_dim)
-        return [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in self.layers]
+        return empty_kv_cache(self.config, batch, dtype)
 
     def forward_backbone(
         self,
@@ -92,6 +89,8 @@ class DSparkDrafter(nn.Module):
         attention_mask: torch.Tensor | None = None,  # [B, 1, γ, Pc+Tc+γ] bool; None = all visible
     ) -> BackboneOutput:
         x = self.embed_tokens(block_ids)
+        if self.config.embedding_scale != 1.0:
+            x = x * self.config.embedding_scale
         if past_context is None:
             past_context = self.empty_context_cache(block_ids.shape[0], x.dtype)
         context = self.project_context(context_features)
@@ -105,8 +104,8 @@ class DSparkDrafter(nn.Module):
 
     # -- sequential heads -------------------------------------------------------------------
     def base_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[..., H] -> [..., V]."""
-        return self.lm_head(hidden)
+        """[..., H] -> [..., V]; soft-capped where the family caps (the Markov bias is added after)."""
+        return softcap(self.lm_head(hidden), self.config.final_logit_softcapping)
 
     def initial_head_state(self, hidden_slot: torch.Tensor) -> torch.Tensor | None:
         return self.markov_head.initial_state(hidden_slot) if self.markov_head is not None else None

@@ -134,7 +134,7 @@ def training_forward(
 
     row = torch.arange(batch, device=device)[:, None]
     aligned_hidden = target_last_hidden[row, (flat - 1)]  # [B, A·γ, H]
-    aligned = drafter.lm_head(aligned_hidden).view(batch, anchors, gamma, -1)
+    aligned = drafter.base_logits(aligned_hidden).view(batch, anchors, gamma, -1)
     return DraftTrainingOutput(
         anchor_positions=anchor_positions,
         block_keep_mask=block_keep_mask,
