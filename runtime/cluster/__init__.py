@@ -1,0 +1,10 @@
+"""dspark.runtime.cluster: N dspark engine replicas on Ray Serve behind one OpenAI-compatible endpoint.
+
+    routing.py        which replica serves a request (weighted by expected cost, round-robin, power of two)
+    replica.py        one engine replica: a Runtime and its EngineService loop
+    fleet.py          the ingress's view of the replicas, shaped like an EngineService for runtime/serving's app
+    fleet_metrics.py  /metrics across the replicas (a replica label on every sample)
+    deploy.py         the Ray Serve application (`dspark serve --replicas N`, `serve run ...:app_builder`)
+
+Only deploy.py imports Ray (the `ray` extra: pip install 'dspark[ray]').
+"""

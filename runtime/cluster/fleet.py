@@ -1,0 +1,313 @@
+"""The ingress's view of the engine replicas, shaped like an `EngineService` so that the OpenAI app of
+runtime/serving serves it unchanged: `submit` (checked here against the replicas' limits, routed, sent),
+`room`, `snapshot`, `alive`, and `runtime` (the model info and tokenizer). A poll task on the ingress's event
+loop keeps each replica's load and health current; the router's own ledger (requests and remaining work in
+flight per replica) moves with every send, token and end.
+
+A replica that dies: requests it had not started on (no token delivered yet) are sent again to another
+replica, so a client sees nothing; requests it was generating fail with `RequestFailed` naming the replica
+(the tokens already streamed stand; no request recovery yet). The replica is routed around until a poll
+finds it (or Ray Serve's restart of it) answering again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+from ..kv_cache import Admission, Capacity
+from ..requests import RequestError, stop_set, validate_request
+from ..serving.handle import LoadSnapshot, QueueFull, RequestFailed, ServiceClosed
+from ..stats import RequestResult
+from ..text import TextCodec
+from .replica import Refusal, ReplicaInfo, ReplicaReport
+from .routing import NoReplica, ReplicaLoad, RequestCost, Router, remaining_work
+
+log = logging.getLogger("dspark.cluster")
+POLL_INTERVAL = 0.05  # seconds between load polls of every replica
+POLL_TIMEOUT = 2.0  # a replica that does not answer a poll within this is down
+
+
+class FleetFull(QueueFull):
+    """No replica can take the request (all down, or all queues full): the app's 429."""
+
+    def __init__(self, message: str, retry_after: int = 1) -> None:
+        Exception.__init__(self, message)
+        self.retry_after = retry_after
+
+
+class FleetRuntime:
+    """What the app reads of `service.runtime`: the model info and the tokenizer (from the replicas' text
+    folders, which the ingress must see too: the same paths on a shared filesystem or every node)."""
+
+    def __init__(self, info: Any, text_dirs: Sequence[str]) -> None:
+        self.info, self.text_dirs = info, tuple(Path(d) for d in text_dirs)
+        self._codec: TextCodec | None = None
+
+    @property
+    def tokenizer(self) -> TextCodec:
+        if self._codec is None:
+            self._codec = TextCodec.find(self.text_dirs)
+        return self._codec
+
+
+class Replica:
+    """One engine replica as the ingress tracks it."""
+
+    def __init__(self, name: str, handle: Any, info: ReplicaInfo) -> None:
+        self.name, self.handle, self.info = name, handle, info
+        self.report: ReplicaReport | None = None
+        self.up, self.why_down = True, ""
+        self.in_flight, self.in_flight_work = 0, 0.0
+        self.routed = 0
+
+    def load(self) -> ReplicaLoad:
+        i, r = self.info, self.report
+        s = r.snapshot if r is not None else None
+        return ReplicaLoad(
+            self.name, self.up, queued=s.queued if s else 0, running=s.running if s else 0,
+            slots_total=i.max_requests, kv_tokens_reserved=s.kv_tokens_reserved if s else 0,
+            kv_tokens_capacity=i.max_tokens, max_queue=i.max_queue,
+            verification_budget=r.verification_budget if r else 0.0, reported_work=r.remaining_work if r else 0.0,
+            in_flight=self.in_flight, in_flight_work=self.in_flight_work)
+
+    def mark_down(self, why: str) -> None:
+        if self.up:
+            log.warning("engine replica %s is down: %s", self.name, why)
+        self.up, self.why_down = False, why
+
+
+class Fleet:
+    """The engine replicas behind one ingress. Make it with `await Fleet.start(...)` on the ingress's loop."""
+
+    def __init__(self, replicas: list[Replica], router: Router, poll_interval: float = POLL_INTERVAL) -> None:
+        first = replicas[0].info
+        self.replicas, self.router, self.poll_interval = replicas, router, poll_interval
+        self.runtime = FleetRuntime(first.info, first.text_dirs)
+        self.max_new_tokens = first.max_new_tokens
+        self.rejected = 0
+        self._admission = Admission(Capacity(first.max_requests, first.max_tokens, first.max_seq_len))
+        self._closed = False
+        self._poller: asyncio.Task | None = None
+
+    @classmethod
+    async def start(cls, handles: Sequence[tuple[str, Any]], router: Router,
+                    poll_interval: float = POLL_INTERVAL) -> Fleet:
+        """Ask every replica what it serves (waits for them to load), check they agree, start polling."""
+        infos = await asyncio.gather(*(handle.describe.remote() for _, handle in handles))
+        models = {(i.info, i.max_requests, i.max_tokens, i.max_seq_len, i.reserve_extra) for i in infos}
+        if len(models) > 1:
+            raise ValueError(f"the engine replicas serve different models or limits: {sorted(map(str, models))}")
+        fleet = cls([Replica(name, handle, info) for (name, handle), info in zip(handles, infos, strict=True)],
+                     router, poll_interval)
+        fleet._poller = asyncio.get_running_loop().create_task(fleet._poll_forever())
+        return fleet
+
+    # -- what the app calls ----------------------------------------------------------------------
+    def submit(self, prompt_ids: list[int], *, max_new_tokens: int, temperature: float = 0.0, seed: int = 0,
+               stop: Sequence[int | str] = ()) -> RemoteRequest:
+        """Check the request as a replica would (RequestError / CapacityError: 400), route it, send it.
+        FleetFull (429) when no replica can take it; ServiceClosed after close()."""
+        if self._closed:
+            raise ServiceClosed("the dspark cluster ingress is closed")
+        info = self.runtime.info
+        if self.max_new_tokens is not None and isinstance(max_new_tokens, int) and max_new_tokens > self.max_new_tokens:
+            raise RequestError(f"max_new_tokens {max_new_tokens} exceeds this server's limit {self.max_new_tokens}")
+        ids = validate_request(prompt_ids, vocab_size=info.vocab_size, max_positions=info.max_positions,
+                               max_new_tokens=max_new_tokens, temperature=temperature)
+        stop_set([s for s in stop if not isinstance(s, str)], info.vocab_size)
+        need = self._positions_needed(len(ids), max_new_tokens)
+        self._admission.check_servable(need)
+        request = RemoteRequest(self, dict(prompt_ids=ids, max_new_tokens=max_new_tokens, temperature=temperature,
+                                           seed=seed, stop=list(stop)), RequestCost(len(ids), max_new_tokens, need))
+        request.dispatch(frozenset())
+        return request
+
+    def room(self, prompt_len: int) -> int:
+        """As `EngineService.room`, from the replicas' limits."""
+        first = self.replicas[0].info
+        room = min(first.max_seq_len, first.max_tokens) - self._positions_needed(prompt_len, 0)
+        room = min(room, self.runtime.info.max_positions - prompt_len)
+        return room if self.max_new_tokens is None else min(room, self.max_new_tokens)
+
+    def snapshot(self) -> LoadSnapshot:
+        """The replicas' last reports summed (the replicas that are up)."""
+        reports = [r.report.snapshot for r in self.replicas if r.up and r.report is not None]
+        names = [f.name for f in fields(LoadSnapshot) if f.name != "time"]
+        total = {name: int(sum(getattr(s, name) for s in reports)) for name in names}
+        return LoadSnapshot(time=time.monotonic(), **total)
+
+    @property
+    def alive(self) -> bool:
+        return not self._closed and any(r.up for r in self.replicas)
+
+    def loads(self) -> list[ReplicaLoad]:
+        return [r.load() for r in self.replicas]
+
+    def close(self) -> None:
+        self._closed = True
+        if self._poller is not None:
+            self._poller.cancel()
+
+    # -- routing ---------------------------------------------------------------------------------
+    def route(self, cost: RequestCost, exclude: frozenset[int]) -> int:
+        try:
+            index = self.router.choose(self.loads(), cost, exclude)
+        except NoReplica as exc:
+            self.rejected += 1
+            raise FleetFull(str(exc), exc.retry_after) from None
+        replica = self.replicas[index]
+        replica.in_flight += 1
+        replica.in_flight_work += cost.work(self.router.prefill_weight)
+        replica.routed += 1
+        return index
+
+    def _positions_needed(self, prompt_len: int, max_new_tokens: int) -> int:
+        return prompt_len + max_new_tokens + self.replicas[0].info.reserve_extra  # the engine's rule: linear
+
+    async def _poll_forever(self) -> None:
+        while not self._closed:
+            await asyncio.gather(*(self._poll(r) for r in self.replicas))
+            await asyncio.sleep(self.poll_interval)
+
+    async def _poll(self, replica: Replica) -> None:
+        try:
+            replica.report = await asyncio.wait_for(replica.handle.load.remote(), POLL_TIMEOUT)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # died, restarting, unreachable: route around it until it answers
+            replica.mark_down(f"load poll failed: {type(exc).__name__}: {str(exc)[:160]}")
+            return
+        if not replica.up:
+            log.warning("engine replica %s is up again", replica.name)
+        replica.up, replica.why_down = True, ""
+
+
+class RemoteRequest:
+    """A request sent to a replica, with the RequestHandle calls the app makes: `astream`, `aresult`,
+    `result(0)`, `cancel`, `done`."""
+
+    def __init__(self, fleet: Fleet, payload: dict[str, Any], cost: RequestCost) -> None:
+        self.fleet, self.payload, self.cost = fleet, payload, cost
+        self.index = -1
+        self.delivered = 0
+        self._stream: Any = None
+        self._work, self._held = 0.0, False
+        self._result: RequestResult | None = None
+        self._error: BaseException | None = None
+        self._done = False
+
+    @property
+    def done(self) -> bool:
+        return self._done
+
+    @property
+    def replica(self) -> str:
+        return self.fleet.replicas[self.index].name
+
+    def dispatch(self, exclude: frozenset[int]) -> None:
+        self.index = self.fleet.route(self.cost, exclude)
+        self._work, self._held = self.cost.work(self.fleet.router.prefill_weight), True
+        handle = self.fleet.replicas[self.index].handle
+        self._stream = handle.options(stream=True).generate.remote(**self.payload)
+
+    async def astream(self) -> AsyncIterator[list[int]]:
+        """New tokens as the replica commits them; RequestFailed when the replica failed the request or died
+        while generating it. Leaving early cancels the request."""
+        tried: set[int] = set()
+        try:
+            while not self._done:
+                try:
+                    async for item in self._stream:
+                        if isinstance(item, list):
+                            self._progress(len(item))
+                            yield item
+                        elif isinstance(item, Refusal):
+                            self._refused(item)
+                        else:
+                            self._finish(result=item)
+                    if not self._done:
+                        self._finish(error=RequestFailed(f"{self.replica} ended the stream without a result"))
+                except _Retry:
+                    tried.add(self.index)
+                    self._redispatch(tried)
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:  # Ray's: the replica's process died or is unreachable
+                    self.fleet.replicas[self.index].mark_down(f"{type(exc).__name__} during a request")
+                    tried.add(self.index)
+                    if self.delivered == 0:
+                        self._redispatch(tried)
+                        continue
+                    self._finish(error=RequestFailed(
+                        f"engine replica {self.replica} died during this request ({type(exc).__name__}) after "
+                        f"{self.delivered} tokens; the request is lost: send it again (no request recovery yet)"))
+            if self._error is not None:
+                raise self._error
+        finally:
+            if not self._done:
+                self.cancel()
+
+    def result(self, timeout: float | None = None) -> RequestResult:
+        if not self._done:
+            raise TimeoutError("the request has not finished")
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+    async def aresult(self) -> RequestResult:
+        async for _ in self.astream():
+            pass
+        return self.result(0)
+
+    def cancel(self) -> None:
+        if self._done:
+            return
+        self._finish(result=RequestResult(-1, self.payload["prompt_ids"], [], finish_reason="cancelled"))
+        if self._stream is not None:
+            with contextlib.suppress(Exception):
+                self._stream.cancel()
+
+    # -- pieces ---------------------------------------------------------------------------------------
+    def _progress(self, tokens: int) -> None:
+        self.delivered += tokens
+        left = remaining_work(self.cost.prompt_tokens, self.cost.max_new_tokens, self.delivered,
+                              self.fleet.router.prefill_weight)
+        self.fleet.replicas[self.index].in_flight_work -= self._work - left
+        self._work = left
+
+    def _refused(self, refusal: Refusal) -> None:
+        if refusal.status in (429, 503) and self.delivered == 0:
+            raise _Retry
+        self._finish(error=RequestFailed(refusal.message))
+
+    def _redispatch(self, tried: set[int]) -> None:
+        """Send the request (no token delivered yet) to a replica it has not tried; it fails when none is left."""
+        self._release()
+        try:
+            self.dispatch(frozenset(tried))
+        except FleetFull as exc:
+            self._finish(error=RequestFailed(f"no engine replica could take this request: {exc}"))
+
+    def _release(self) -> None:
+        if self._held:
+            replica = self.fleet.replicas[self.index]
+            replica.in_flight -= 1
+            replica.in_flight_work -= self._work
+            self._work, self._held = 0.0, False
+
+    def _finish(self, *, result: RequestResult | None = None, error: BaseException | None = None) -> None:
+        if self._done:
+            return
+        self._done, self._result, self._error = True, result, error
+        self._release()
+
+
+class _Retry(Exception):
+    """The replica refused a request it had not started: send it to another."""

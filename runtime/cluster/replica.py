@@ -1,0 +1,164 @@
+"""One engine replica: a Runtime and its EngineService (one decode loop) in a Ray Serve replica's process, with
+the calls the ingress makes: `describe` (model, limits, where the tokenizer is), `load` (what the router
+weighs), `generate` (a stream of token lists, then the result), `metrics_text` (its `dspark:` exposition).
+Plain Python: deploy.py wraps it with `serve.deployment`, so this module needs no Ray to import or test.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..api import Runtime, RuntimeOptions
+from ..cost_model import StepCost
+from ..kv_cache import CapacityError
+from ..model_info import ModelInfo
+from ..requests import RequestError
+from ..serving.handle import LoadSnapshot, QueueFull, RequestFailed, ServiceClosed
+from ..serving.metrics import ServingMetrics
+from ..serving.service import EngineService
+from ..stats import RequestResult, StepRecord
+from .routing import PREFILL_WEIGHT, remaining_work
+
+BUDGET_DECAY = 0.9  # the verification budget's moving average keeps 90% of its value per step
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """How a replica opens its Runtime: an engine or export directory (`Runtime.load`), or a target and drafter
+    checkpoint (`Runtime.from_checkpoints`). The paths must exist on every node that runs a replica."""
+
+    engine_dir: str | None = None
+    target_dir: str | None = None
+    drafter_dir: str | None = None
+    options: RuntimeOptions = field(default_factory=RuntimeOptions)
+    cost_model: StepCost | None = None
+    threads: int = 1  # intra-op threads per replica (ORT's, and torch's for checkpoints)
+
+    def __post_init__(self) -> None:
+        if (self.engine_dir is None) == (self.target_dir is None or self.drafter_dir is None):
+            raise ValueError("EngineSpec needs either engine_dir, or target_dir and drafter_dir")
+
+    def open(self) -> Runtime:
+        if self.engine_dir is not None:
+            return Runtime.load(self.engine_dir, self.options, threads=self.threads, cost_model=self.cost_model)
+        import torch
+
+        torch.set_num_threads(self.threads)
+        return Runtime.from_checkpoints(self.target_dir, self.drafter_dir, self.options, cost_model=self.cost_model)
+
+
+@dataclass(frozen=True)
+class ReplicaInfo:
+    """What the ingress needs once: the model, the engine's limits, where text lives, where the replica runs."""
+
+    name: str
+    info: ModelInfo
+    max_requests: int
+    max_tokens: int  # KV positions in all
+    max_seq_len: int
+    max_queue: int
+    max_new_tokens: int | None
+    reserve_extra: int  # positions the engine reserves beyond prompt + new tokens (its lookahead block)
+    text_dirs: tuple[str, ...]
+    host: str
+    pid: int
+
+
+@dataclass(frozen=True)
+class ReplicaReport:
+    """A replica's load for the router: the service's snapshot, its verification budget, its remaining work."""
+
+    snapshot: LoadSnapshot
+    verification_budget: float
+    remaining_work: float
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A request the replica did not take (the ingress retries elsewhere or answers with `status`)."""
+
+    status: int  # 400 bad request, 429 queue full, 503 closed, 500 failed
+    message: str
+    retry_after: int = 1
+
+
+class EngineReplica:
+    """The body of the engine deployment (one per Ray Serve replica)."""
+
+    def __init__(self, spec: EngineSpec, name: str, max_queue: int = 1024, max_new_tokens: int | None = None) -> None:
+        self.name, self.spec = name, spec
+        self.runtime = spec.open()
+        self.service = EngineService(self.runtime, max_queue=max_queue, max_new_tokens=max_new_tokens)
+        self.metrics = ServingMetrics(self.service)
+        self._budget = 0.0
+        self._closed = False
+        self._lock = threading.Lock()
+        self._requests: dict[int, object] = {}  # handle id -> handle, for the remaining work
+        self.service.add_step_listener(self._on_step)
+
+    def describe(self) -> ReplicaInfo:
+        capacity = self.service.engine.admission.capacity
+        return ReplicaInfo(self.name, self.runtime.info, capacity.max_requests, capacity.max_tokens,
+                           capacity.max_seq_len, self.service.max_queue, self.service.max_new_tokens,
+                           self.service.engine.positions_needed(0, 0),
+                           tuple(str(Path(d).resolve()) for d in self.runtime.text_dirs), socket.gethostname(),
+                           os.getpid())
+
+    def load(self) -> ReplicaReport:
+        with self._lock:
+            handles = list(self._requests.values())
+        work = sum(remaining_work(len(h.prompt_ids), h.max_new_tokens, len(h.tokens()), PREFILL_WEIGHT)
+                   for h in handles)
+        return ReplicaReport(self.service.snapshot(), self._budget, work)
+
+    async def generate(self, prompt_ids: list[int], max_new_tokens: int, temperature: float, seed: int,
+                       stop: list[int | str]) -> AsyncIterator[list[int] | RequestResult | Refusal]:
+        """Token lists as steps commit them, then the RequestResult; a Refusal (only item) when not taken,
+        or as the last item when the engine failed the request. Cancelling the stream cancels the request."""
+        try:
+            handle = self.service.submit(prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature,
+                                         seed=seed, stop=stop)
+        except QueueFull as exc:
+            yield Refusal(429, str(exc), exc.retry_after)
+            return
+        except (RequestError, CapacityError) as exc:
+            yield Refusal(400, str(exc))
+            return
+        except ServiceClosed as exc:
+            yield Refusal(503, str(exc))
+            return
+        with self._lock:
+            self._requests[handle.id] = handle
+        try:
+            async for tokens in handle.astream():
+                yield tokens
+            yield handle.result(0)
+        except (RequestFailed, ServiceClosed) as exc:
+            yield Refusal(500, f"{self.name}: {exc}")
+        finally:
+            handle.cancel()
+            with self._lock:
+                self._requests.pop(handle.id, None)
+
+    def metrics_text(self) -> bytes:
+        return self.metrics.render()[0]
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self.service.close()
+            self.runtime.close()
+
+    def __del__(self) -> None:
+        self.close()
+
+    def _on_step(self, record: StepRecord, snapshot: LoadSnapshot) -> None:
+        self._budget = BUDGET_DECAY * self._budget + (1 - BUDGET_DECAY) * float(record.verified_tokens)
