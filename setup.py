@@ -27,6 +27,7 @@ setup(
         "dspark.tools.bench",
         "dspark.runtime.serving",
         "dspark.runtime.capi",
+        "dspark.runtime.cluster",
     ],
     package_dir={"dspark": ".", **{f"dspark.{name}": name for name in SUBPACKAGES}},
     # The bundled demo pair (models/demo/{target,dspark,dflash}) ships inside dspark.models.
@@ -67,6 +68,8 @@ setup(
         # 64-client throughput in tools/serve_bench)
         "serve": ["uvicorn>=0.30", "starlette>=0.38", "prometheus-client>=0.20",
                   "uvloop>=0.19; sys_platform != 'win32'", "httptools>=0.6"],
+        # N engine replicas on Ray Serve behind one endpoint (dspark serve --replicas N, runtime/cluster)
+        "ray": ["ray[serve]>=2.50", "uvicorn>=0.30", "starlette>=0.38", "prometheus-client>=0.20"],
     },
     entry_points={
         "console_scripts": [

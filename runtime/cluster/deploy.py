@@ -68,9 +68,14 @@ class Ingress:
                  "in_flight": r.in_flight, "in_flight_work": r.in_flight_work, "routed": r.routed,
                  "verification_budget": r.report.verification_budget if r.report else None,
                  "reported_work": r.report.remaining_work if r.report else None,
-                 "load": r.report.snapshot.__dict__ if r.report else None} for r in fleet.replicas]})
+                 "load": _plain(r.report.snapshot.__dict__) if r.report else None} for r in fleet.replicas]})
 
         return [Route("/metrics", metrics, methods=["GET"]), Route("/replicas", replicas, methods=["GET"])]
+
+
+def _plain(values: dict[str, Any]) -> dict[str, Any]:
+    """JSON-ready numbers (the engine's counters may be numpy scalars)."""
+    return {name: value.item() if hasattr(value, "item") else value for name, value in values.items()}
 
 
 async def _gather_texts(pending: dict[str, Any]) -> dict[str, bytes]:

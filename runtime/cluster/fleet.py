@@ -184,19 +184,30 @@ class Fleet:
         except Exception as exc:  # died, restarting, unreachable: route around it until it answers
             replica.mark_down(f"load poll failed: {type(exc).__name__}: {str(exc)[:160]}")
             return
-        if not replica.up:
-            log.warning("engine replica %s is up again", replica.name)
+        if not replica.up:  # back (Ray Serve restarted it, or it was only unreachable): where it runs now
+            try:
+                replica.info = await asyncio.wait_for(replica.handle.describe.remote(), POLL_TIMEOUT)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                return
+            log.warning("engine replica %s is up again (pid %d on %s)", replica.name, replica.info.pid,
+                        replica.info.host)
         replica.up, replica.why_down = True, ""
 
 
 class RemoteRequest:
-    """A request sent to a replica, with the RequestHandle calls the app makes: `astream`, `aresult`,
-    `result(0)`, `cancel`, `done`."""
+    """A request sent to a replica, with the RequestHandle calls and fields the app uses: `astream`, `aresult`,
+    `result(0)`, `tokens`, `cancel`, `done`, `key` (None: the fleet keeps no journal)."""
+
+    key: str | None = None
 
     def __init__(self, fleet: Fleet, payload: dict[str, Any], cost: RequestCost) -> None:
         self.fleet, self.payload, self.cost = fleet, payload, cost
+        self.prompt_ids, self.seed, self.context = payload["prompt_ids"], payload["seed"], {}
         self.index = -1
         self.delivered = 0
+        self._tokens: list[int] = []
         self._stream: Any = None
         self._work, self._held = 0.0, False
         self._result: RequestResult | None = None
@@ -217,17 +228,22 @@ class RemoteRequest:
         handle = self.fleet.replicas[self.index].handle
         self._stream = handle.options(stream=True).generate.remote(**self.payload)
 
-    async def astream(self) -> AsyncIterator[list[int]]:
-        """New tokens as the replica commits them; RequestFailed when the replica failed the request or died
-        while generating it. Leaving early cancels the request."""
+    def tokens(self) -> list[int]:
+        """The tokens delivered so far (a copy)."""
+        return list(self._tokens)
+
+    async def astream(self, start: int = 0) -> AsyncIterator[list[int]]:
+        """New tokens as the replica commits them (after the first `start`); RequestFailed when the replica
+        failed the request or died while generating it. Leaving early cancels the request."""
         tried: set[int] = set()
         try:
             while not self._done:
                 try:
                     async for item in self._stream:
                         if isinstance(item, list):
-                            self._progress(len(item))
-                            yield item
+                            self._progress(item)
+                            if self.delivered > start:
+                                yield item[max(start - self.delivered + len(item), 0):]
                         elif isinstance(item, Refusal):
                             self._refused(item)
                         else:
@@ -275,8 +291,9 @@ class RemoteRequest:
                 self._stream.cancel()
 
     # -- pieces ---------------------------------------------------------------------------------------
-    def _progress(self, tokens: int) -> None:
-        self.delivered += tokens
+    def _progress(self, tokens: list[int]) -> None:
+        self._tokens += tokens
+        self.delivered = len(self._tokens)
         left = remaining_work(self.cost.prompt_tokens, self.cost.max_new_tokens, self.delivered,
                               self.fleet.router.prefill_weight)
         self.fleet.replicas[self.index].in_flight_work -= self._work - left

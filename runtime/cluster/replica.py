@@ -93,7 +93,11 @@ class EngineReplica:
     def __init__(self, spec: EngineSpec, name: str, max_queue: int = 1024, max_new_tokens: int | None = None) -> None:
         self.name, self.spec = name, spec
         self.runtime = spec.open()
-        self.service = EngineService(self.runtime, max_queue=max_queue, max_new_tokens=max_new_tokens)
+        # The router holds each replica to `max_queue` waiting requests by its own count; the service's limit is
+        # one batch larger, since the router may send a whole batch before the loop admits any of it.
+        self.max_queue = max_queue
+        self.service = EngineService(self.runtime, max_queue=max_queue + spec.options.max_requests,
+                                     max_new_tokens=max_new_tokens)
         self.metrics = ServingMetrics(self.service)
         self._budget = 0.0
         self._closed = False
@@ -104,7 +108,7 @@ class EngineReplica:
     def describe(self) -> ReplicaInfo:
         capacity = self.service.engine.admission.capacity
         return ReplicaInfo(self.name, self.runtime.info, capacity.max_requests, capacity.max_tokens,
-                           capacity.max_seq_len, self.service.max_queue, self.service.max_new_tokens,
+                           capacity.max_seq_len, self.max_queue, self.service.max_new_tokens,
                            self.service.engine.positions_needed(0, 0),
                            tuple(str(Path(d).resolve()) for d in self.runtime.text_dirs), socket.gethostname(),
                            os.getpid())
