@@ -40,6 +40,16 @@ keys/values in place at slots past_b .. past_b + tokens - 1. Rows with fewer rea
 tokens, total_sequence_length] whose columns are absolute cache slots (True = may attend; the causal
 rule still applies on top, so it can only hide): flattened draft trees and hidden past slots.
 
+Attention layouts (Gemma-4 mixes sliding-window and global layers): every K/V spec carries its own
+layer's dims, and export.json's `target.attention_layers` / `drafter.attention_layers` list each
+layer's `num_kv_heads`, `head_dim`, `sliding_window` and `keys_are_values`. A sliding-window layer
+narrows the mask inside the graph to the keys fewer than `sliding_window` positions behind the query;
+a key's position is its column index for cache columns (so cache column / slot j must hold position
+j, as the runtime's slot caches and the concat past do) and `position_ids` for new tokens. Its K/V
+buffers still hold every position (`sliding_window_kv: "full-length"`): the window is a mask, not a
+ring buffer. K = V layers have no value projection but still ship separate key and value tensors (K
+normed and rotated, V normed). The fused flavour does not represent these families (plain only).
+
 Drafter backbone (`drafter_backbone.onnx`): the new context features and their positions, the
 cached projected context keys/values per draft layer, the block (anchor + mask ids) and its
 positions, and a bool mask [batch, 1, block, context_total + block] (all True = DeepSpec decoding;
@@ -58,6 +68,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dspark.models import DrafterConfig, TargetConfig
+from dspark.models.config import DecoderConfig
 
 TARGET = "target"
 TARGET_STATIC = "target_static"
@@ -121,42 +132,48 @@ def kv_names(prefix: str, layers: int) -> list[str]:
     return [f"{prefix}.{i}.{kind}" for i in range(layers) for kind in ("key", "value")]
 
 
-def _kv(prefix: str, layers: int, kv_heads: int, length: str, head_dim: int, dtype: str) -> list[TensorSpec]:
-    return [TensorSpec(n, dtype, ("batch", kv_heads, length, head_dim)) for n in kv_names(prefix, layers)]
+def kv_dims(config: DecoderConfig) -> list[tuple[int, int]]:
+    """(kv_heads, head_dim) of every layer's key and value buffers: one pair for all layers, except in
+    families that mix attention layouts (Gemma-4: sliding-window and global layers)."""
+    return [(lay.num_key_value_heads, lay.head_dim) for lay in config.layouts]
+
+
+def _kv(prefix: str, config: DecoderConfig, length: str, dtype: str) -> list[TensorSpec]:
+    dims = kv_dims(config)
+    return [TensorSpec(name, dtype, ("batch", dims[i // 2][0], length, dims[i // 2][1]))
+            for i, name in enumerate(kv_names(prefix, len(dims)))]
 
 
 def target_spec(config: TargetConfig, feature_size: int, dtype: str) -> GraphSpec:
-    kvh, hd, layers = config.num_key_value_heads, config.head_dim, config.num_hidden_layers
     return GraphSpec(
         TARGET,
         inputs=(
             TensorSpec("input_ids", "int64", ("batch", "tokens")),
             TensorSpec("position_ids", "int64", ("batch", "tokens")),
             TensorSpec("attention_mask", "bool", ("batch", 1, "tokens", "total")),
-            *_kv("past_key_values", layers, kvh, "past", hd, dtype),
+            *_kv("past_key_values", config, "past", dtype),
         ),
         outputs=(
             TensorSpec("logits", dtype, ("batch", "tokens", config.vocab_size)),
             TensorSpec("context_features", dtype, ("batch", "tokens", feature_size)),
-            *_kv("present", layers, kvh, "total", hd, dtype),
+            *_kv("present", config, "total", dtype),
         ),
     )
 
 
 def target_static_spec(config: TargetConfig, feature_size: int, dtype: str) -> GraphSpec:
-    kvh, hd, layers = config.num_key_value_heads, config.head_dim, config.num_hidden_layers
     return GraphSpec(
         TARGET_STATIC,
         inputs=(
             TensorSpec("input_ids", "int64", ("batch", "tokens")),
             TensorSpec("position_ids", "int64", ("batch", "tokens")),
             TensorSpec("attention_mask", "bool", ("batch", 1, "tokens", "capacity_plus_tokens")),
-            *_kv("cache", layers, kvh, "capacity", hd, dtype),
+            *_kv("cache", config, "capacity", dtype),
         ),
         outputs=(
             TensorSpec("logits", dtype, ("batch", "tokens", config.vocab_size)),
             TensorSpec("context_features", dtype, ("batch", "tokens", feature_size)),
-            *_kv("new", layers, kvh, "tokens", hd, dtype),
+            *_kv("new", config, "tokens", dtype),
         ),
     )
 
@@ -164,7 +181,6 @@ def target_static_spec(config: TargetConfig, feature_size: int, dtype: str) -> G
 def target_fused_spec(config: TargetConfig, feature_size: int, dtype: str, tree: bool = False) -> GraphSpec:
     """`target_fused.onnx` (`target_fused_tree.onnx` with `tree`): past and present K/V are the same
     bound buffer (`capacity` slots)."""
-    kvh, hd, layers = config.num_key_value_heads, config.head_dim, config.num_hidden_layers
     tree_inputs = (
         TensorSpec("position_ids", "int64", ("batch", "tokens")),
         TensorSpec("attention_mask", "bool", ("batch", 1, "tokens", "total_sequence_length")),
@@ -176,13 +192,13 @@ def target_fused_spec(config: TargetConfig, feature_size: int, dtype: str, tree:
             TensorSpec("seqlens_k", "int32", ("batch",)),
             TensorSpec("total_sequence_length", "int32", ()),
             *tree_inputs,
-            *_kv("past_key_values", layers, kvh, "capacity", hd, dtype),
+            *_kv("past_key_values", config, "capacity", dtype),
         ),
         outputs=(
             TensorSpec("logits", dtype, ("batch", "tokens", config.vocab_size)),
             TensorSpec("context_features", dtype, ("batch", "tokens", feature_size)),
             TensorSpec("greedy_ids", "int64", ("batch", "tokens")),
-            *_kv("present", layers, kvh, "capacity", hd, dtype),
+            *_kv("present", config, "capacity", dtype),
         ),
     )
 
@@ -197,7 +213,6 @@ class Placement:
 
 def backbone_spec(config: DrafterConfig, placement: Placement, dtype: str) -> GraphSpec:
     c = config
-    kvh, hd, layers = c.num_key_value_heads, c.head_dim, c.num_hidden_layers
     block = c.block_size
     outputs = [TensorSpec("block_hidden", dtype, ("batch", block, c.hidden_size))]
     if placement.lm_head_in_backbone:
@@ -210,9 +225,9 @@ def backbone_spec(config: DrafterConfig, placement: Placement, dtype: str) -> Gr
             TensorSpec("context_features", dtype, ("batch", "context_tokens", c.context_feature_size)),
             TensorSpec("context_position_ids", "int64", ("batch", "context_tokens")),
             TensorSpec("attention_mask", "bool", ("batch", 1, block, "block_total")),
-            *_kv("past_context", layers, kvh, "context_past", hd, dtype),
+            *_kv("past_context", config, "context_past", dtype),
         ),
-        outputs=(*outputs, *_kv("present_context", layers, kvh, "context_total", hd, dtype)),
+        outputs=(*outputs, *_kv("present_context", config, "context_total", dtype)),
     )
 
 

@@ -13,6 +13,8 @@ import torch
 
 from dspark.models import DrafterConfig, TargetConfig, causal_mask
 
+from .contract import kv_dims
+
 MASK_KINDS = ("causal", "tree", "padded")
 
 
@@ -86,8 +88,8 @@ def target_feeds(
     """(input_ids, position_ids, attention_mask, *past k/v) for the concat-cache target graph."""
     ids = torch.randint(0, config.vocab_size, (case.batch, case.tokens), generator=generator)
     mask, positions = mask_and_positions(case, generator)
-    shape = (case.batch, config.num_key_value_heads, case.past, config.head_dim)
-    past = [torch.randn(shape, generator=generator).to(dtype) for _ in range(2 * config.num_hidden_layers)]
+    past = [torch.randn(case.batch, kvh, case.past, hd, generator=generator).to(dtype)
+            for kvh, hd in kv_dims(config) for _ in ("key", "value")]
     return (ids, positions, mask, *past)
 
 
@@ -124,8 +126,8 @@ def backbone_feeds(
     if case.mask == "padded":
         for r in range(b):
             mask[r, :, :, : min(3 * r, pc)] = False
-    shape = (b, config.num_key_value_heads, pc, config.head_dim)
-    past = [torch.randn(shape, generator=generator).to(dtype) for _ in range(2 * config.num_hidden_layers)]
+    past = [torch.randn(b, kvh, pc, hd, generator=generator).to(dtype)
+            for kvh, hd in kv_dims(config) for _ in ("key", "value")]
     return (block_ids, block_positions, features, context_positions, mask, *past)
 
 

@@ -87,6 +87,12 @@ def check_fusable(model: TargetModel, dtype: str) -> None:
     c = model.config
     if dtype not in _TORCH:
         raise ExportError(f"fused target: dtype {dtype!r} is not one of {tuple(_TORCH)}")
+    if not c.uniform_attention or c.sandwich_norm or c.final_logit_softcapping is not None:
+        raise ExportError(
+            f"fused target: a '{c.model_type}' target (sliding-window and global layers, K = V, sandwich norms, "
+            "soft-capped logits) is not representable with GroupQueryAttention and SkipSimplifiedLayerNormalization "
+            "as built here; use the plain target graphs"
+        )
     if c.head_dim % HEAD_DIM_MULTIPLE:
         raise ExportError(
             f"fused target: head_dim {c.head_dim} is not a multiple of {HEAD_DIM_MULTIPLE} "

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from dspark.models import DrafterConfig, TargetConfig
+from dspark.models.config import DecoderConfig
 from dspark.models.inflate import read_standin
 
 from .artifacts import ArtifactError, check_sha256, check_size, read_json_object, sha256
@@ -42,6 +43,16 @@ def eos_token_ids(config: TargetConfig, target_dir: Path) -> list[int]:
     return ids
 
 
+def attention_layers(config: DecoderConfig) -> dict[str, Any]:
+    """Per-layer attention layouts where layers differ (Gemma-4), with how sliding-window layers keep
+    their keys/values (see contract.py); nothing for uniform models."""
+    if config.uniform_attention:
+        return {}
+    windowed = any(lay.sliding_window for lay in config.layouts)
+    return {"attention_layers": [lay.to_json() for lay in config.layouts],
+            **({"sliding_window_kv": "full-length"} if windowed else {})}
+
+
 def model_section(target: TargetConfig, drafter: DrafterConfig, target_dir: Path) -> dict[str, Any]:
     return {
         "target": {
@@ -57,6 +68,7 @@ def model_section(target: TargetConfig, drafter: DrafterConfig, target_dir: Path
             "bos_token_id": target.bos_token_id,
             "context_layer_ids": list(drafter.target_layer_ids),
             "context_feature_size": drafter.context_feature_size,
+            **attention_layers(target),
             # a cost stand-in (models/inflate.py) says so wherever its export is read
             "standin": read_standin(target_dir),
         },
@@ -67,6 +79,7 @@ def model_section(target: TargetConfig, drafter: DrafterConfig, target_dir: Path
             "num_layers": drafter.num_hidden_layers,
             "num_kv_heads": drafter.num_key_value_heads,
             "head_dim": drafter.head_dim,
+            **attention_layers(drafter),
             "markov_rank": drafter.markov_rank,
             "markov_head_type": drafter.markov_head_type if drafter.has_markov_head else None,
             "head_state": "zeros [batch, markov_rank] before slot 0"
@@ -150,6 +163,13 @@ def _validate(manifest: dict[str, Any], path: Path, fix: str) -> None:
         for key in keys:
             if isinstance(values.get(key), bool) or not isinstance(values.get(key), int) or values[key] < 0:
                 fail(f"{section}.{key} must be a non-negative integer, got {values.get(key)!r}")
+    for section in _INT_FIELDS:
+        layers = manifest[section].get("attention_layers")
+        if layers is not None and (
+            not isinstance(layers, list) or len(layers) != manifest[section]["num_layers"]
+            or not all(isinstance(lay, dict) and isinstance(lay.get("num_kv_heads"), int)
+                       and isinstance(lay.get("head_dim"), int) for lay in layers)):
+            fail(f"{section}.attention_layers must list num_layers objects with integer num_kv_heads and head_dim")
     ids = manifest["target"].get("eos_token_ids")
     if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
         fail("target.eos_token_ids must be a list of integers")

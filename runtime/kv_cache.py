@@ -28,6 +28,12 @@ class CacheShape:
     layers: int
     kv_heads: int
     head_dim: int
+    # (kv_heads, head_dim) of each layer where layers differ (Gemma-4's sliding and global layers);
+    # () = every layer is (kv_heads, head_dim)
+    per_layer: tuple[tuple[int, int], ...] = ()
+
+    def layer(self, i: int) -> tuple[int, int]:
+        return self.per_layer[i] if self.per_layer else (self.kv_heads, self.head_dim)
 
 
 class SlotCache:
@@ -35,9 +41,9 @@ class SlotCache:
     row's committed length. `kv` lists them in the export contract's order (key 0, value 0, ...)."""
 
     def __init__(self, shape: CacheShape, slots: int, max_len: int, dtype: np.dtype | str = np.float32):
-        full = (slots, shape.kv_heads, max_len, shape.head_dim)
-        self.keys = [np.zeros(full, dtype=dtype) for _ in range(shape.layers)]
-        self.values = [np.zeros(full, dtype=dtype) for _ in range(shape.layers)]
+        full = [(slots, shape.layer(i)[0], max_len, shape.layer(i)[1]) for i in range(shape.layers)]
+        self.keys = [np.zeros(dims, dtype=dtype) for dims in full]
+        self.values = [np.zeros(dims, dtype=dtype) for dims in full]
         self.kv = [buf for pair in zip(self.keys, self.values, strict=True) for buf in pair]
         self.lengths = np.zeros(slots, dtype=np.int64)
         self.max_len = max_len

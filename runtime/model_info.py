@@ -32,8 +32,10 @@ class ModelInfo:
         return cls(
             vocab_size=tc.vocab_size, max_positions=tc.max_position_embeddings,
             block_size=dc.block_size, mask_token_id=dc.mask_token_id,
-            target_cache=CacheShape(tc.num_hidden_layers, tc.num_key_value_heads, tc.head_dim),
-            drafter_cache=CacheShape(dc.num_hidden_layers, dc.num_key_value_heads, dc.head_dim),
+            target_cache=_cache_shape(tc.num_hidden_layers, tc.num_key_value_heads, tc.head_dim,
+                                      [lay.to_json() for lay in tc.layouts]),
+            drafter_cache=_cache_shape(dc.num_hidden_layers, dc.num_key_value_heads, dc.head_dim,
+                                       [lay.to_json() for lay in dc.layouts]),
             context_feature_size=dc.context_feature_size,
             head_state_size=dc.markov_rank if dc.has_markov_head and dc.markov_head_type == "rnn" else 0,
             has_heads=dc.has_markov_head or dc.enable_confidence_head,
@@ -48,8 +50,8 @@ class ModelInfo:
         return cls(
             vocab_size=t["vocab_size"], max_positions=t["max_position_embeddings"],
             block_size=d["block_size"], mask_token_id=d["mask_token_id"],
-            target_cache=CacheShape(t["num_layers"], t["num_kv_heads"], t["head_dim"]),
-            drafter_cache=CacheShape(d["num_layers"], d["num_kv_heads"], d["head_dim"]),
+            target_cache=_cache_shape(t["num_layers"], t["num_kv_heads"], t["head_dim"], t.get("attention_layers")),
+            drafter_cache=_cache_shape(d["num_layers"], d["num_kv_heads"], d["head_dim"], d.get("attention_layers")),
             context_feature_size=t["context_feature_size"],
             head_state_size=d["markov_rank"] if d["markov_head_type"] == "rnn" else 0,
             has_heads=d["markov_head_type"] is not None or d["enable_confidence_head"],
@@ -57,3 +59,11 @@ class ModelInfo:
             lm_head_in_backbone=manifest["lm_head_in_backbone"],
             eos_token_ids=tuple(t["eos_token_ids"]),
         )
+
+
+def _cache_shape(layers: int, kv_heads: int, head_dim: int, attention_layers: list[dict] | None) -> CacheShape:
+    """One K/V shape for all layers, or each layer's own (export.json's `attention_layers`, Gemma-4)."""
+    per_layer = tuple((lay["num_kv_heads"], lay["head_dim"]) for lay in attention_layers or ())
+    if all(dims == (kv_heads, head_dim) for dims in per_layer):
+        per_layer = ()
+    return CacheShape(layers, kv_heads, head_dim, per_layer)

@@ -1,8 +1,9 @@
 """Compare dspark's models and reference decoder with DeepSpec's golden fixtures.
 
-    python -m dspark.tools.golden_report GOLDEN_DIR
+    python -m dspark.tools.golden_report [--per-tensor] GOLDEN_DIR
 
-prints, per golden drafter, the largest |difference| of every single-forward tensor and whether
+prints, per golden drafter, the largest |difference| of every single-forward tensor (with
+--per-tensor: of each golden tensor, hidden states and training forward included) and whether
 every greedy trace (tokens, per-round accepted and proposal lengths) is reproduced. The test
 suite asserts the same quantities (tests/test_golden_models.py, tests/test_golden_traces.py).
 """
@@ -18,6 +19,8 @@ import torch
 from safetensors.torch import load_file
 
 from dspark.models import DSparkDrafter, TargetModel, load_pair
+from dspark.models.loss import LossWeights, dspark_loss
+from dspark.models.training import target_training_features, training_forward
 from dspark.runtime.proposer import propose_block
 from dspark.runtime.reference_decoder import speculative_generate
 
@@ -56,6 +59,48 @@ def single_forward_tensors(target: TargetModel, drafter: DSparkDrafter, golden: 
     return {name: (ours, golden[name]) for name, ours in pairs.items()}
 
 
+@torch.no_grad()
+def extra_tensors(target: TargetModel, drafter: DSparkDrafter, golden: dict[str, torch.Tensor], info: dict,
+                  block_hidden: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Ours and DeepSpec's for the golden tensors `single_forward_tensors` leaves out, where the set
+    has them: every hidden state, the pre-soft-cap logits, the block embedding, and the training
+    forward and loss. `block_hidden`: our round-0 draft block hidden [1, γ, H]."""
+    ids = golden["prompt_ids"]
+    n, layers, pairs = ids.shape[1], target.config.num_hidden_layers, {}
+    if "draft_noise_embedding" in golden:
+        scale = drafter.config.embedding_scale
+        pairs["draft_noise_embedding"] = drafter.embed_tokens(golden["draft_input_ids"]) * scale, \
+            golden["draft_noise_embedding"]
+    if "draft_lm_head_raw" in golden:
+        pairs["draft_lm_head_raw"] = drafter.lm_head(block_hidden), golden["draft_lm_head_raw"]
+    if "target_hidden_states_all" in golden:
+        probe = TargetModel(target.config, tuple(range(-1, layers - 1)))
+        probe.load_state_dict(target.state_dict())
+        raw: list[torch.Tensor] = []
+        hook = probe.layers[-1].register_forward_hook(lambda _m, _i, output: raw.append(output[0]))
+        hidden = probe(ids, torch.arange(n)[None]).context_features.split(target.config.hidden_size, dim=-1)
+        hook.remove()
+        final = probe.norm(raw[0])
+        pairs["target_hidden_states_all"] = torch.stack((*hidden, final)), golden["target_hidden_states_all"]
+        for name, ours in (("target_last_layer_raw", raw[0]), ("target_logits_pre_softcap", probe.lm_head(final))):
+            if name in golden:
+                pairs[name] = ours, golden[name]
+    if "train_draft_logits" in golden and "loss_kwargs" in info.get("train_forward", {}):
+        features, last_hidden = target_training_features(target, ids)
+        out = training_forward(drafter, input_ids=ids, context_features=features, target_last_hidden=last_hidden,
+                               loss_mask=golden["train_loss_mask"], anchor_positions=golden["train_anchor_positions"])
+        kw = info["train_forward"]["loss_kwargs"]
+        loss = dspark_loss(out, LossWeights(ce=kw["ce_loss_alpha"], tv=kw["l1_loss_alpha"],
+                                            confidence=kw["confidence_head_alpha"], decay_gamma=kw["loss_decay_gamma"]))
+        pairs.update(train_last_hidden_states=(last_hidden, golden["train_last_hidden_states"]),
+                     train_draft_logits=(out.draft_logits, golden["train_draft_logits"]),
+                     train_aligned_target_logits=(out.aligned_target_logits, golden["train_aligned_target_logits"]),
+                     train_loss=(loss.total.reshape(1), golden["train_loss"]))
+        if out.confidence_logits is not None:
+            pairs["train_confidence_pred"] = out.confidence_logits, golden["train_confidence_pred"]
+    return pairs
+
+
 def trace_matches(target: TargetModel, drafter: DSparkDrafter, trace: dict) -> bool:
     """Every sample's tokens and per-round accepted/proposal lengths equal DeepSpec's."""
     for sample in trace["samples"]:
@@ -71,21 +116,29 @@ def trace_matches(target: TargetModel, drafter: DSparkDrafter, trace: dict) -> b
     return True
 
 
-def report(golden_dir: Path) -> None:
+def report(golden_dir: Path, per_tensor: bool = False) -> None:
+    """`per_tensor`: every golden tensor's largest |diff|, the training forward included."""
     for set_dir in sorted(p for p in golden_dir.iterdir() if (p / "target").is_dir()):
         for drafter_dir in sorted(p for p in set_dir.iterdir() if p.name.startswith("drafter")):
             stem = drafter_dir.name.removeprefix("drafter")
             target, drafter = load_pair(set_dir / "target", drafter_dir)
-            tensors = single_forward_tensors(target, drafter, load_file(str(set_dir / f"tensors{stem}.safetensors")))
+            golden = load_file(str(set_dir / f"tensors{stem}.safetensors"))
+            tensors = single_forward_tensors(target, drafter, golden)
+            if per_tensor:
+                info = json.loads((set_dir / f"tensors{stem}.json").read_text()).get("info", {})
+                tensors.update(extra_tensors(target, drafter, golden, info, tensors["draft_block_hidden"][0]))
             worst = max((ours.float() - ref.float()).abs().max().item() for ours, ref in tensors.values())
             print(f"{set_dir.name}/{drafter_dir.name}: max |diff| over {len(tensors)} tensors = {worst:.2e}")
+            for name, (ours, ref) in tensors.items() if per_tensor else ():
+                print(f"  {name}: {(ours.float() - ref.float()).abs().max().item():.2e}")
             for trace_file in sorted(set_dir.glob(f"traces{stem}*.json")):
                 ok = trace_matches(target, drafter, json.loads(trace_file.read_text()))
                 print(f"  {trace_file.name}: {'identical' if ok else 'DIFFERENT'}")
 
 
 if __name__ == "__main__":
-    folder = sys.argv[1] if len(sys.argv) > 1 else os.environ.get("DSPARK_GOLDEN")
+    args = [a for a in sys.argv[1:] if a != "--per-tensor"]
+    folder = args[0] if args else os.environ.get("DSPARK_GOLDEN")
     if not folder:
-        sys.exit("usage: python -m dspark.tools.golden_report GOLDEN_DIR (or set DSPARK_GOLDEN)")
-    report(Path(folder))
+        sys.exit("usage: python -m dspark.tools.golden_report [--per-tensor] GOLDEN_DIR (or set DSPARK_GOLDEN)")
+    report(Path(folder), per_tensor="--per-tensor" in sys.argv[1:])

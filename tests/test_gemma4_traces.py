@@ -1,0 +1,126 @@
+"""DeepSpec's Gemma-4 decoding traces (gemma4-tiny), token- and round-identical through the
+reference decoder, the batched loop (PyTorch backend) and ONNX Runtime after `dspark-export`
+(plain flavour: the fused one does not represent Gemma-4 and is dropped with its reason)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import golden_path, load_json
+from safetensors.torch import load_file
+
+from dspark.export.pipeline import export_pair
+from dspark.models import load_pair
+from dspark.runtime.batch_loop import BatchEngine
+from dspark.runtime.cost_model import StepCostModel
+from dspark.runtime.kv_cache import Capacity
+from dspark.runtime.model_info import ModelInfo
+from dspark.runtime.ort_backend import OrtBackend
+from dspark.runtime.prefix_scheduler import SchedulerConfig
+from dspark.runtime.reference_decoder import autoregressive_generate, speculative_generate
+from dspark.runtime.torch_backend import TorchBackend
+
+SET = "gemma4-tiny"
+TRACES = {"traces.json": "fixed", "traces_threshold_0.5.json": "threshold"}
+TOL = dict(atol=1e-4, rtol=1e-4)
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return load_pair(golden_path(SET, "target"), golden_path(SET, "drafter"))
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gemma4-export")
+    export_pair(golden_path(SET, "target"), golden_path(SET, "drafter"), out, check=False)
+    return out
+
+
+@pytest.mark.parametrize("trace_file", TRACES)
+def test_reference_decoder_rounds(pair, trace_file):
+    target, drafter = pair
+    trace = load_json(golden_path(SET, trace_file))
+    for sample in trace["samples"]:
+        result = speculative_generate(target, drafter, sample["prompt_ids"],
+                                      max_new_tokens=trace["max_new_tokens"] + 1,
+                                      confidence_threshold=trace["confidence_threshold"])
+        assert result.tokens[: trace["max_new_tokens"]] == sample["generated_ids"]
+        assert [r.acceptance_length for r in result.rounds] == sample["acceptance_lengths"]
+        assert [r.accepted_drafts for r in result.rounds] == sample["accepted_draft_lengths"]
+        assert [r.proposal_length for r in result.rounds] == sample["proposal_lengths"]
+        for ours, golden in zip(result.rounds, sample["rounds"], strict=True):
+            assert (ours.start, ours.anchor, ours.draft_tokens) \
+                == (golden["start"], golden["anchor_token"], golden["draft_tokens_full"])
+            torch.testing.assert_close(torch.tensor(ours.confidence_logits),
+                                       torch.tensor(golden["confidence_logits_full"]), **TOL)
+
+
+def test_target_only_greedy(pair):
+    target, _ = pair
+    trace = load_json(golden_path(SET, "traces.json"))
+    for sample in trace["samples"]:
+        ours = autoregressive_generate(target, sample["prompt_ids"], max_new_tokens=trace["max_new_tokens"])
+        assert ours == sample["target_only_greedy_generated_ids"]
+
+
+def test_round_tensors(pair):
+    """The first three rounds of prompt 0, KV-cached on both sides."""
+    target, drafter = pair
+    golden = load_file(str(golden_path(SET, "trace_tensors.safetensors")))
+    prompt = load_json(golden_path(SET, "traces.json"))["samples"][0]["prompt_ids"]
+    seen = []
+    speculative_generate(target, drafter, prompt, max_new_tokens=20,
+                         observer=lambda stats, tensors: seen.append((stats, tensors)))
+    for r, (stats, t) in enumerate(seen[:3]):
+        torch.testing.assert_close(t.new_context_features, golden[f"round{r}_new_context_features"], **TOL)
+        torch.testing.assert_close(t.block_hidden, golden[f"round{r}_draft_block_hidden"], **TOL)
+        torch.testing.assert_close(drafter.base_logits(t.block_hidden), golden[f"round{r}_draft_base_logits"], **TOL)
+        torch.testing.assert_close(t.draft_logits, golden[f"round{r}_draft_corrected_logits"], **TOL)
+        assert stats.draft_tokens == golden[f"round{r}_draft_tokens"][0].tolist()
+        assert torch.equal(t.verify_input_ids, golden[f"round{r}_verify_input_ids"])
+        torch.testing.assert_close(t.verify_logits, golden[f"round{r}_target_verify_logits"], **TOL)
+
+
+def _check_engine(backend, info: ModelInfo, trace_file: str, kv_mode: str) -> None:
+    trace = load_json(golden_path(SET, trace_file))
+    engine = BatchEngine(backend, info, capacity=Capacity(8, 4096, 256), kv_mode=kv_mode,
+                         scheduler=SchedulerConfig(TRACES[trace_file]), cost_model=StepCostModel(1e-3, 2e-4, 4e-4))
+    ids = [engine.submit(s["prompt_ids"], max_new_tokens=trace["max_new_tokens"] + 1) for s in trace["samples"]]
+    finished = engine.run_until_done()  # the four prompts decode as one batch
+    for request_id, sample in zip(ids, trace["samples"], strict=True):
+        result = finished[request_id]
+        assert result.tokens[: trace["max_new_tokens"]] == sample["generated_ids"]
+        assert result.acceptance_lengths == sample["acceptance_lengths"]
+        assert result.proposal_lengths == sample["proposal_lengths"]
+
+
+@pytest.mark.parametrize("kv_mode", ["concat", "static"])
+@pytest.mark.parametrize("trace_file", TRACES)
+def test_batched_loop_pytorch(pair, trace_file, kv_mode):
+    target, drafter = pair
+    _check_engine(TorchBackend(target, drafter), ModelInfo.from_models(target, drafter), trace_file, kv_mode)
+
+
+@pytest.mark.parametrize("kv_mode", ["concat", "static"])
+@pytest.mark.parametrize("trace_file", TRACES)
+def test_batched_loop_onnxruntime(exported, trace_file, kv_mode):
+    backend = OrtBackend(exported, intra_op_threads=1)
+    _check_engine(backend, ModelInfo.from_manifest(backend.manifest), trace_file, kv_mode)
+
+
+def test_export_json_describes_the_layouts(exported):
+    manifest = json.loads((exported / "export.json").read_text())
+    target = manifest["target"]
+    assert [lay["sliding_window"] for lay in target["attention_layers"]] == [16, 16, None, 16, 16, None]
+    assert [(lay["num_kv_heads"], lay["head_dim"]) for lay in target["attention_layers"]][1:3] == [(2, 16), (1, 32)]
+    assert target["sliding_window_kv"] == "full-length"
+    assert {(lay["num_kv_heads"], lay["head_dim"]) for lay in manifest["drafter"]["attention_layers"]} == {(1, 32)}
+    dims = {t["name"]: t["dims"] for t in manifest["graphs"]["target"]["inputs"]}
+    assert dims["past_key_values.1.key"] == ["batch", 2, "past", 16]
+    assert dims["past_key_values.2.value"] == ["batch", 1, "past", 32]
+    assert set(manifest["dropped_graphs"]) == {"target_fused", "target_fused_tree"}
+    assert "not representable" in manifest["dropped_graphs"]["target_fused"]["reason"]
