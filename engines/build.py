@@ -37,6 +37,7 @@ from .calibration_data import collect_rounds, read_sequences
 from .export_source import BuildError, load_export
 from .ort_builder import build_ort_graphs, session_section
 from .profiling import profile_batches, profile_section
+from .quantize import QuantizeOptions, quantized_source
 
 Progress = Callable[[str], None] | None
 DIAGRAM = "calibration.png"
@@ -54,6 +55,7 @@ class BuildOptions:
     profile_past: int = 64
     warmup: int = 2
     repeats: int = 5
+    quantize: QuantizeOptions | None = None  # weight-only int4/int8 (onnxruntime backend only)
 
 
 def _limits(export: dict[str, Any], options: BuildOptions) -> ShapeLimits:
@@ -62,6 +64,17 @@ def _limits(export: dict[str, Any], options: BuildOptions) -> ShapeLimits:
     return ShapeLimits(max_batch=options.max_batch,
                        max_seq_len=min(options.max_seq_len, export["target"]["max_position_embeddings"]),
                        verify_width=1 + export["drafter"]["block_size"])
+
+
+def _check_quantize(options: BuildOptions, export: dict[str, Any]) -> None:
+    """Refuse a quantized build this backend or export cannot make, before any work."""
+    if options.backend != "onnxruntime":
+        raise BuildError(f"--quantize makes weight-only ONNX Runtime engines (MatMulNBits); --backend "
+                         f"{options.backend} cannot run them: drop --quantize or use --backend onnxruntime")
+    if export["dtype"] != "float32":
+        raise BuildError(f"--quantize starts from a float32 export, this one is {export['dtype']}: "
+                         "re-export with --dtype float32")
+    options.quantize.check()
 
 
 def _built_with() -> dict[str, Any]:
@@ -82,6 +95,8 @@ def build_engine(export_dir: str | Path, out_dir: str | Path, options: BuildOpti
     begin = time.perf_counter()
     export_dir, out_dir = Path(export_dir), Path(out_dir)
     export = load_export(export_dir)
+    if options.quantize is not None:
+        _check_quantize(options, export)
     if options.backend == "tensorrt":
         from .trt_builder import import_tensorrt
 
@@ -103,8 +118,10 @@ def build_engine(export_dir: str | Path, out_dir: str | Path, options: BuildOpti
             raise BuildError(f"the ONNX Runtime CPU engine runs float32 exports, {export_dir} is {export['dtype']}: "
                              f"re-export with --dtype float32 or build with --backend tensorrt")
         out_dir.mkdir(parents=True, exist_ok=True)
-        manifest["graphs"] = build_ort_graphs(export_dir, export, out_dir, level=options.optimization_level,
-                                              threads=options.threads, progress=progress)
+        with quantized_source(export_dir, export, out_dir, options.quantize, progress) as (source_dir, source, q):
+            manifest["graphs"] = build_ort_graphs(source_dir, source, out_dir, level=options.optimization_level,
+                                                  threads=options.threads, progress=progress, derived_from=export_dir)
+        manifest["quantization"] = q
         manifest["session"] = session_section(options.optimization_level, options.threads)
     elif options.backend == "tensorrt":
         from .trt_builder import build_trt

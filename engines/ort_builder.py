@@ -70,8 +70,10 @@ def build_ort_graphs(
     level: str = "all",
     threads: int = 1,
     progress: Callable[[str], None] | None = None,
+    derived_from: Path | None = None,
 ) -> dict[str, Any]:
     """Optimize every graph into out_dir/graphs, write the derived export.json and copy the tokenizer.
+    `derived_from`: the export to name in it when `export_dir` is a staged copy (quantized graphs).
     Returns engine.json's `graphs` section."""
     if level not in LEVELS:
         raise ValueError(f"optimization level {level!r} is not one of {sorted(LEVELS)}")
@@ -91,9 +93,10 @@ def build_ort_graphs(
         derived["graphs"][name] = {**entry, "file": f"{GRAPH_DIR}/{entry['file']}", "files": entries}
         section[name] = {"file": entries[0]["path"], "bytes": sum(e["bytes"] for e in entries),
                          "sha256": entries[0]["sha256"], "files": entries, "source": entry["file"]}
-    derived["derived_from"] = {"export_dir": str(export_dir.resolve()), "by": "dspark-build-engine (onnxruntime)"}
+    derived["derived_from"] = {"export_dir": str((derived_from or export_dir).resolve()),
+                               "by": "dspark-build-engine (onnxruntime)"}
     write_manifest(out_dir, derived)
-    tokenizer = export_dir / "tokenizer.json"
+    tokenizer = (derived_from or export_dir) / "tokenizer.json"
     if tokenizer.is_file():
         shutil.copyfile(tokenizer, out_dir / "tokenizer.json")
     return section

@@ -21,6 +21,9 @@ SPS cost tables, STS temperatures, backend), bucket lookup, and `EngineDir`.
     session         ORT: {graph_optimization_level, intra_op_threads, inter_op_threads, execution_mode}
     tensorrt        TRT: {version, plugin_library, timing_cache, strongly_typed, profiles: {graph: [...]},
                     comparison: Polygraphy TRT-vs-ORT result}
+    quantization    optional, null or ORT weight-only: {scheme "int4" | "int8", bits, block_size, symmetric,
+                    accuracy_level, drafter (drafter graphs too), quantizer, onnxruntime,
+                    graphs: {name: {matmuls, quantized, left_float}}} (engines/quantize.py)
     kv_mode         optional, "fused" | "static" | "concat": the target graph the runtime drives by default
                     (contract.KV_MODE_GRAPHS); absent in older engines: fused where the graphs have it
     sps             profiling.profile_section: {measured_at, past, warmup, repeats, statistic,
@@ -105,10 +108,28 @@ def validate(manifest: Any, where: str = ENGINE_JSON) -> dict[str, Any]:
     if kv_mode is not None and (kv_mode not in C.KV_MODE_GRAPHS or C.KV_MODE_GRAPHS[kv_mode] not in graphs):
         _fail(where, f"kv_mode {kv_mode!r} must be one of {sorted(C.KV_MODE_GRAPHS)} and its graph must be "
                      "in graphs")
+    _validate_quantization(manifest, where)
     _validate_sps(manifest["sps"], where)
     if manifest["calibration"] is not None:
         _validate_calibration(manifest["calibration"], limits["verify_width"] - 1, where)
     return manifest
+
+
+QUANT_SCHEMES = {"int4": 4, "int8": 8}  # engines/quantize.py SCHEMES
+
+
+def _validate_quantization(manifest: dict[str, Any], where: str) -> None:
+    section = manifest.get("quantization")
+    if section is None:
+        return
+    if manifest["backend"] != "onnxruntime" or not isinstance(section, dict):
+        _fail(where, "quantization must be an object, and only in an engine whose backend is onnxruntime")
+    scheme = section.get("scheme")
+    if scheme not in QUANT_SCHEMES or section.get("bits") != QUANT_SCHEMES[scheme]:
+        _fail(where, f"quantization.scheme/bits {scheme!r}/{section.get('bits')!r} must be int4/4 or int8/8")
+    graphs = section.get("graphs")
+    if not isinstance(graphs, dict) or not graphs or any(name not in manifest["graphs"] for name in graphs):
+        _fail(where, "quantization.graphs must name graphs of the engine")
 
 
 def _validate_sps(sps: Any, where: str) -> None:

@@ -19,6 +19,18 @@ def _print_table(manifest: dict) -> None:
             click.echo(f"{r:>8} " + cells)
 
 
+def _quantize_options(quantize, quantize_drafter: bool, quant_block_size: int, quant_accuracy_level: int):
+    from dspark.engines.export_source import BuildError
+    from dspark.engines.quantize import QuantizeOptions
+
+    if quantize is None:
+        if quantize_drafter:
+            raise BuildError("--quantize-drafter needs --quantize int4 or int8")
+        return None
+    return QuantizeOptions(quantize, drafter=quantize_drafter, block_size=quant_block_size,
+                           accuracy_level=quant_accuracy_level)
+
+
 @click.command("dspark-build-engine", cls=OneLineErrors, context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("export_dir", type=_PATH)
 @click.option("--out", "out_dir", required=True, type=_PATH, help="Engine directory to write (engine.json).")
@@ -40,11 +52,20 @@ def _print_table(manifest: dict) -> None:
 @click.option("--calibrate-data", type=_PATH, help="Held-out sequences (ids or text, .txt/.jsonl) for STS.")
 @click.option("--tokenizer", type=_PATH, help="tokenizer.json for text data (copied into the engine).")
 @click.option("--reprofile", is_flag=True, help="Only re-measure the SPS table of the existing engine in --out.")
+@click.option("--quantize", type=click.Choice(["int4", "int8"]),
+              help="Weight-only quantized target graphs (onnxruntime: MatMulNBits by ORT's quantizer).")
+@click.option("--quantize-drafter", is_flag=True, help="With --quantize: the drafter's graphs too.")
+@click.option("--quant-block-size", default=32, show_default=True, type=int,
+              help="With --quantize: weights per scale along the input dimension.")
+@click.option("--quant-accuracy-level", default=4, show_default=True, type=click.IntRange(0, 4),
+              help="With --quantize: MatMulNBits accuracy_level (4: int8 activations inside the kernel).")
 @click.option("--quiet", is_flag=True, help="No progress lines.")
 def build_engine(export_dir, out_dir, backend, buckets, max_batch_tokens, max_batch, max_seq_len, threads,
-                 profile_past, repeats, calibrate_data, tokenizer, reprofile, quiet) -> None:
+                 profile_past, repeats, calibrate_data, tokenizer, reprofile, quiet,
+                 **quantize_flags) -> None:
     """Build an ONNX Runtime or TensorRT engine from EXPORT_DIR, profile it, optionally calibrate it."""
     import shutil
+    from dataclasses import replace
     from pathlib import Path
 
     from dspark.engines import build as B
@@ -66,6 +87,7 @@ def build_engine(export_dir, out_dir, backend, buckets, max_batch_tokens, max_ba
         options = B.BuildOptions(backend=backend, buckets=parse_buckets(buckets) if buckets else None,
                                  max_batch_tokens=max_batch_tokens, max_batch=max_batch, max_seq_len=max_seq_len,
                                  threads=threads, profile_past=profile_past, repeats=repeats)
+        options = replace(options, quantize=_quantize_options(**quantize_flags))
         if tokenizer and not Path(tokenizer).is_file():
             raise BuildError(f"--tokenizer {tokenizer} does not exist")
         manifest = B.build_engine(export_dir, out_dir, options, calibrate_data=calibrate_data,
@@ -77,4 +99,6 @@ def build_engine(export_dir, out_dir, backend, buckets, max_batch_tokens, max_ba
     if cal:
         click.echo(f"STS temperatures {[round(t, 3) for t in cal['temperatures']]}; mean ECE "
                    f"{cal['ece_before_mean']:.4f} -> {cal['ece_after_mean']:.4f} ({cal['samples']} rounds)")
-    click.echo(f"wrote {Path(out_dir) / 'engine.json'} ({manifest['backend']}, buckets {manifest['buckets']})")
+    quantized = manifest.get("quantization")
+    weights = f", {quantized['scheme']} weights" if quantized else ""
+    click.echo(f"wrote {Path(out_dir) / 'engine.json'} ({manifest['backend']}{weights}, buckets {manifest['buckets']})")

@@ -1,0 +1,158 @@
+"""Weight-only int4/int8 graphs for ONNX Runtime engines, by ONNX Runtime's own quantizer.
+
+`quantize_export` rewrites the export's graphs into a staging directory before ORT optimizes them:
+every MatMul whose weight is a constant initializer becomes a `com.microsoft.MatMulNBits` node
+(`onnxruntime.quantization.matmul_nbits_quantizer.MatMulNBitsQuantizer`, block-wise along K, one
+scale per block and output column, symmetric). Activations stay float32, so the graphs keep the
+export's I/O contract and the runtime drives them unchanged.
+
+Every target graph (concat, static, fused, fused tree) is quantized, never some: the runtime may
+verify with one flavour and prefill with another, and lossless decoding is defined against one
+quantized target. Because each output column is quantized on its own, the fused graph's
+concatenated q/k/v projection gets exactly the weights of the plain graph's three projections.
+Drafter graphs are quantized only when asked (`drafter=True`); they never change what is emitted.
+
+Quantization happens before optimization because ORT's level-`all` fusions rewrite plain MatMuls
+(FusedMatMul, Gemm) that the quantizer then no longer sees; ORT optimizes MatMulNBits itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import tempfile
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import onnx
+import onnxruntime as ort
+
+from dspark.export import contract as C
+from dspark.export.engine_dir import QUANT_SCHEMES
+from dspark.export.lower import EXTERNAL_SUFFIX, TWO_GB
+from dspark.export.manifest import file_entries, write_manifest
+
+from .export_source import BuildError
+
+SCHEMES = QUANT_SCHEMES  # {"int4": 4, "int8": 8}, as engine.json's schema checks it
+QUANTIZER = "onnxruntime.quantization.matmul_nbits_quantizer.MatMulNBitsQuantizer"
+TARGET_GRAPHS = (C.TARGET, C.TARGET_STATIC, C.TARGET_FUSED, C.TARGET_FUSED_TREE)
+# MatMulNBits' accuracy_level 4: activations quantized to int8 per block inside the kernel (the fast CPU
+# path onnxruntime-genai's builder also picks); 0 keeps float32 activations.
+DEFAULT_ACCURACY_LEVEL = 4
+DEFAULT_BLOCK_SIZE = 32
+
+
+@dataclass(frozen=True)
+class QuantizeOptions:
+    scheme: str  # "int4" | "int8"
+    drafter: bool = False  # also the drafter's graphs
+    block_size: int = DEFAULT_BLOCK_SIZE
+    accuracy_level: int = DEFAULT_ACCURACY_LEVEL
+
+    def check(self) -> None:
+        """BuildError naming the bad option (called before any long work)."""
+        if self.scheme not in SCHEMES:
+            raise BuildError(f"--quantize {self.scheme!r} is not one of {sorted(SCHEMES)}")
+        if self.block_size < 16 or self.block_size & (self.block_size - 1):
+            raise BuildError(f"--quant-block-size {self.block_size} must be a power of two >= 16 (MatMulNBits)")
+        if self.accuracy_level not in (0, 1, 2, 3, 4):
+            raise BuildError(f"--quant-accuracy-level {self.accuracy_level} must be 0..4 (MatMulNBits)")
+
+
+def _weight_matmuls(model: onnx.ModelProto) -> int:
+    """MatMuls whose second input is a constant initializer: the ones the quantizer can rewrite."""
+    weights = {t.name for t in model.graph.initializer}
+    return sum(1 for n in model.graph.node if n.op_type == "MatMul" and n.input[1] in weights)
+
+
+def quantize_graph(source: Path, target: Path, options: QuantizeOptions) -> dict[str, Any]:
+    """Quantize one ONNX file into `target` (+ external data when large); returns what changed."""
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+    model = onnx.load(str(source))
+    before = _weight_matmuls(model)
+    quantizer_log = logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer")
+    level = quantizer_log.level
+    quantizer_log.setLevel(logging.WARNING)  # it logs one INFO line per node it skips
+    try:
+        quantizer = MatMulNBitsQuantizer(model, bits=SCHEMES[options.scheme], block_size=options.block_size,
+                                         is_symmetric=True, accuracy_level=options.accuracy_level)
+        quantizer.process()
+    finally:
+        quantizer_log.setLevel(level)
+    quantized = quantizer.model.model
+    ops = Counter(n.op_type for n in quantized.graph.node)
+    left = _weight_matmuls(quantized)
+    if ops["MatMulNBits"] == 0 and before:
+        raise BuildError(f"{source.name}: onnxruntime's quantizer rewrote none of its {before} weight MatMuls")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    weight_bytes = sum(t.ByteSize() for t in quantized.graph.initializer)
+    data = target.with_name(target.name + EXTERNAL_SUFFIX)
+    data.unlink(missing_ok=True)
+    if weight_bytes > TWO_GB:
+        onnx.save_model(quantized, str(target), save_as_external_data=True, all_tensors_to_one_file=True,
+                        location=data.name, size_threshold=1024)
+    else:
+        onnx.save_model(quantized, str(target))
+    return {"matmuls": before, "quantized": ops["MatMulNBits"], "left_float": left}
+
+
+def quantized_graphs(export_manifest: dict[str, Any], options: QuantizeOptions) -> list[str]:
+    """Names of the export's graphs `options` quantizes: every target graph, the drafter's by option."""
+    return [name for name in export_manifest["graphs"] if name in TARGET_GRAPHS or options.drafter]
+
+
+def quantize_export(export_dir: Path, export_manifest: dict[str, Any], staging: Path, options: QuantizeOptions,
+                    progress: Callable[[str], None] | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Write the quantized export into `staging` (graphs not quantized are copied as they are) ->
+    (its export manifest, engine.json's `quantization` section)."""
+    options.check()
+    derived = dict(export_manifest)
+    derived["graphs"] = {}
+    chosen = quantized_graphs(export_manifest, options)
+    report: dict[str, Any] = {}
+    for name, entry in export_manifest["graphs"].items():
+        source = export_dir / entry["file"]
+        target = staging / entry["file"]
+        if name in chosen:
+            if progress:
+                progress(f"quantizing {name} ({options.scheme}, block {options.block_size})")
+            report[name] = quantize_graph(source, target, options)
+            files = [target] + [p for p in (target.with_name(target.name + EXTERNAL_SUFFIX),) if p.is_file()]
+        else:
+            files = []
+            for item in entry["files"]:
+                copy = staging / item["path"]
+                copy.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(export_dir / item["path"], copy)
+                files.append(copy)
+        derived["graphs"][name] = {**entry, "files": file_entries(files, staging)}
+    write_manifest(staging, derived)
+    section = {"scheme": options.scheme, "bits": SCHEMES[options.scheme], "block_size": options.block_size,
+               "symmetric": True, "accuracy_level": options.accuracy_level, "drafter": options.drafter,
+               "quantizer": QUANTIZER, "onnxruntime": ort.__version__, "graphs": report}
+    return derived, section
+
+
+@contextmanager
+def quantized_source(export_dir: Path, export_manifest: dict[str, Any], out_dir: Path,
+                     options: QuantizeOptions | None, progress: Callable[[str], None] | None = None,
+                     ) -> Iterator[tuple[Path, dict[str, Any], dict[str, Any] | None]]:
+    """(graph dir, its export manifest, engine.json's `quantization`) for the ORT builder to optimize:
+    the export itself without `options`, else its quantized copy in a staging dir under `out_dir`
+    (removed afterwards: the engine keeps only the optimized graphs)."""
+    if options is None:
+        yield export_dir, export_manifest, None
+        return
+    with tempfile.TemporaryDirectory(prefix=".quantizing-", dir=out_dir) as staging:
+        derived, section = quantize_export(export_dir, export_manifest, Path(staging), options, progress)
+        yield Path(staging), derived, section
+
+
+__all__ = ("DEFAULT_ACCURACY_LEVEL", "DEFAULT_BLOCK_SIZE", "SCHEMES", "QuantizeOptions", "quantize_export",
+           "quantize_graph", "quantized_graphs", "quantized_source")
