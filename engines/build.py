@@ -24,6 +24,7 @@ from dspark.export.engine_dir import (
     ENGINE_JSON,
     FORMAT_VERSION,
     KIND,
+    TRT_FLAVOURS,
     EngineDir,
     load_engine_dir,
     write_engine_manifest,
@@ -45,7 +46,7 @@ DIAGRAM = "calibration.png"
 
 @dataclass(frozen=True)
 class BuildOptions:
-    backend: str = "onnxruntime"
+    backend: str = "onnxruntime"  # or "tensorrt", "tensorrt-rtx" (engine.json backend tensorrt, flavour named)
     buckets: tuple[int, ...] | None = None  # None: powers of two up to max_batch_tokens
     max_batch_tokens: int = 64
     max_batch: int = 8
@@ -55,6 +56,7 @@ class BuildOptions:
     profile_past: int = 64
     warmup: int = 2
     repeats: int = 5
+    compute_capabilities: tuple[str, ...] = ()  # tensorrt-rtx: the GPUs to build for ("8.9"); () = its default
     quantize: QuantizeOptions | None = None  # weight-only int4/int8 (onnxruntime backend only)
 
 
@@ -79,7 +81,7 @@ def _check_quantize(options: BuildOptions, export: dict[str, Any]) -> None:
 
 def _built_with() -> dict[str, Any]:
     versions = {}
-    for package in ("dspark", "onnxruntime", "tensorrt"):
+    for package in ("dspark", "onnxruntime", "tensorrt", "tensorrt_rtx"):
         try:
             versions[package] = metadata.version(package)
         except metadata.PackageNotFoundError:
@@ -97,16 +99,18 @@ def build_engine(export_dir: str | Path, out_dir: str | Path, options: BuildOpti
     export = load_export(export_dir)
     if options.quantize is not None:
         _check_quantize(options, export)
-    if options.backend == "tensorrt":
-        from .trt_builder import import_tensorrt
+    flavour = None
+    if options.backend in TRT_FLAVOURS:
+        from dspark.runtime.trt_flavours import flavour_named, import_flavour
 
-        import_tensorrt()  # fail before creating anything
+        flavour = flavour_named(options.backend)
+        import_flavour(flavour)  # fail before creating anything
     limits = _limits(export, options)
     buckets = plan_buckets(options.max_batch_tokens, options.buckets)
     if out_dir.exists() and not out_dir.is_dir():
         raise BuildError(f"--out {out_dir} exists and is not a directory")
     manifest: dict[str, Any] = {
-        "format_version": FORMAT_VERSION, "kind": KIND, "backend": options.backend,
+        "format_version": FORMAT_VERSION, "kind": KIND, "backend": "tensorrt" if flavour else options.backend,
         "export": {"dir": str(export_dir.resolve()), "manifest_sha256": sha256(export_dir / "export.json"),
                    "dtype": export["dtype"]},
         "limits": {"max_batch": limits.max_batch, "max_seq_len": limits.max_seq_len,
@@ -123,16 +127,19 @@ def build_engine(export_dir: str | Path, out_dir: str | Path, options: BuildOpti
                                                   threads=options.threads, progress=progress, derived_from=export_dir)
         manifest["quantization"] = q
         manifest["session"] = session_section(options.optimization_level, options.threads)
-    elif options.backend == "tensorrt":
+    elif flavour is not None:
         from .trt_builder import build_trt
 
         out_dir.mkdir(parents=True, exist_ok=True)
-        manifest["graphs"], manifest["tensorrt"] = build_trt(export_dir, export, out_dir, buckets=buckets,
-                                                             limits=limits, progress=progress)
+        manifest["graphs"], manifest["tensorrt"] = build_trt(
+            export_dir, export, out_dir, flavour=flavour, buckets=buckets, limits=limits,
+            compute_capabilities=options.compute_capabilities, progress=progress)
     else:
-        raise BuildError(f"--backend {options.backend!r} is not one of onnxruntime, tensorrt")
+        raise BuildError(f"--backend {options.backend!r} is not one of onnxruntime, {', '.join(TRT_FLAVOURS)}")
     manifest["kv_mode"] = "fused" if C.TARGET_FUSED in manifest["graphs"] else "concat"
-    manifest["sps"] = _profile(out_dir, manifest, export, options, progress)
+    # Built ahead of time (no GPU here): the SPS table is measured by --reprofile on the GPU.
+    ahead_of_time = flavour is not None and flavour.ahead_of_time
+    manifest["sps"] = None if ahead_of_time else _profile(out_dir, manifest, export, options, progress)
     manifest["calibration"] = None
     manifest["built_with"] = _built_with()
     manifest["build_seconds"] = round(time.perf_counter() - begin, 2)
@@ -163,7 +170,8 @@ def reprofile(engine_dir: str | Path, *, warmup: int | None = None, repeats: int
     engine = load_engine_dir(engine_dir, verify_files=True)
     manifest = engine.manifest
     export = load_export(manifest["export"]["dir"], verify_files=False)
-    old = manifest["sps"]
+    old = manifest["sps"] or {"past": BuildOptions.profile_past, "warmup": BuildOptions.warmup,
+                              "repeats": BuildOptions.repeats}  # built ahead of time: never measured
     options = BuildOptions(backend=manifest["backend"], profile_past=old["past"],
                            warmup=old["warmup"] if warmup is None else warmup,
                            repeats=old["repeats"] if repeats is None else repeats)

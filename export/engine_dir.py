@@ -19,14 +19,17 @@ SPS cost tables, STS temperatures, backend), bucket lookup, and `EngineDir`.
     limits          {max_batch, max_seq_len, verify_width, max_batch_tokens}
     buckets         [B_1 < B_2 < ...] verified-token bounds; TensorRT: one profile each
     session         ORT: {graph_optimization_level, intra_op_threads, inter_op_threads, execution_mode}
-    tensorrt        TRT: {version, plugin_library, timing_cache, strongly_typed, profiles: {graph: [...]},
-                    comparison: Polygraphy TRT-vs-ORT result}
+    tensorrt        TRT: {flavour ("tensorrt" | "tensorrt-rtx"; absent section: tensorrt), version,
+                    compute_capabilities ["8.9", ...], ahead_of_time, plugin_library, timing_cache,
+                    runtime_cache, strongly_typed, profiles: {graph: [...]}, build_seconds, skipped,
+                    comparison: Polygraphy TRT-vs-ORT result, null when built ahead of time}
     quantization    optional, null or ORT weight-only: {scheme "int4" | "int8", bits, block_size, symmetric,
                     accuracy_level, drafter (drafter graphs too), quantizer, onnxruntime,
                     graphs: {name: {matmuls, quantized, left_float}}} (engines/quantize.py)
     kv_mode         optional, "fused" | "static" | "concat": the target graph the runtime drives by default
                     (contract.KV_MODE_GRAPHS); absent in older engines: fused where the graphs have it
-    sps             profiling.profile_section: {measured_at, past, warmup, repeats, statistic,
+    sps             null only when built ahead of time (no GPU to measure on: --reprofile there), else
+                    profiling.profile_section: {measured_at, past, warmup, repeats, statistic,
                     load_before, load_after, seconds, tables: {target graph: CostTable.to_dict()}}
     calibration     null or {temperatures [γ], ece_before [γ], ece_after [γ], ece_before_mean,
                     ece_after_mean, bins, grid, samples, sequences, data, diagram}
@@ -39,6 +42,7 @@ SPS cost tables, STS temperatures, backend), bucket lookup, and `EngineDir`.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import pairwise
@@ -53,6 +57,7 @@ ENGINE_JSON = "engine.json"
 FORMAT_VERSION = 1
 KIND = "dspark-engine"
 BACKENDS = ("onnxruntime", "tensorrt")
+TRT_FLAVOURS = ("tensorrt", "tensorrt-rtx")  # runtime/trt_flavours.py FLAVOURS
 _REQUIRED = ("format_version", "kind", "backend", "export", "graphs", "limits", "buckets", "sps",
              "calibration", "built_with", "build_seconds")
 
@@ -109,7 +114,9 @@ def validate(manifest: Any, where: str = ENGINE_JSON) -> dict[str, Any]:
         _fail(where, f"kv_mode {kv_mode!r} must be one of {sorted(C.KV_MODE_GRAPHS)} and its graph must be "
                      "in graphs")
     _validate_quantization(manifest, where)
-    _validate_sps(manifest["sps"], where)
+    ahead_of_time = _validate_tensorrt(manifest, where)
+    if manifest["sps"] is not None or not ahead_of_time:
+        _validate_sps(manifest["sps"], where)
     if manifest["calibration"] is not None:
         _validate_calibration(manifest["calibration"], limits["verify_width"] - 1, where)
     return manifest
@@ -130,6 +137,27 @@ def _validate_quantization(manifest: dict[str, Any], where: str) -> None:
     graphs = section.get("graphs")
     if not isinstance(graphs, dict) or not graphs or any(name not in manifest["graphs"] for name in graphs):
         _fail(where, "quantization.graphs must name graphs of the engine")
+
+
+def _validate_tensorrt(manifest: dict[str, Any], where: str) -> bool:
+    """Check the `tensorrt` section (optional); True when the engine was built ahead of time."""
+    section = manifest.get("tensorrt")
+    if section is None:
+        return False
+    if manifest["backend"] != "tensorrt" or not isinstance(section, dict):
+        _fail(where, "tensorrt must be an object, and only in an engine whose backend is tensorrt")
+    if section.get("flavour") not in TRT_FLAVOURS:
+        _fail(where, f"tensorrt.flavour {section.get('flavour')!r} is not one of {TRT_FLAVOURS}")
+    if not isinstance(section.get("version"), str) or not section["version"]:
+        _fail(where, "tensorrt.version must name the TensorRT version that built the plans")
+    ccs = section.get("compute_capabilities")
+    if not isinstance(ccs, list) or not all(isinstance(cc, str) and re.fullmatch(r"\d+\.\d+", cc) for cc in ccs):
+        _fail(where, f"tensorrt.compute_capabilities must list versions such as '8.9', got {ccs!r}")
+    if section["flavour"] == "tensorrt-rtx" and not ccs:
+        _fail(where, "tensorrt.compute_capabilities: a tensorrt-rtx engine names the GPUs its plans run on")
+    if not isinstance(section.get("ahead_of_time", False), bool):
+        _fail(where, "tensorrt.ahead_of_time must be true or false")
+    return section.get("ahead_of_time", False)
 
 
 def _validate_sps(sps: Any, where: str) -> None:
@@ -227,6 +255,10 @@ class EngineDir:
         return bucket_for(tokens, self.buckets)
 
     def cost_table(self, target_graph: str = C.TARGET) -> CostTable:
+        if self.manifest["sps"] is None:
+            raise ArtifactError(self.path / ENGINE_JSON, "has no SPS table (built ahead of time, without the GPU "
+                                "it runs on)", f"run dspark-build-engine EXPORT --out {self.path} --reprofile "
+                                "on that GPU")
         tables = self.manifest["sps"]["tables"]
         if target_graph not in tables:
             raise ArtifactError(self.path / ENGINE_JSON, f"has no SPS table for '{target_graph}' "

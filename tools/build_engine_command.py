@@ -11,6 +11,9 @@ _PATH = str  # checked by build_engine, which reports one-line errors
 
 
 def _print_table(manifest: dict) -> None:
+    if manifest["sps"] is None:
+        click.echo("SPS not measured: built ahead of time, without the GPU it runs on (--reprofile there)")
+        return
     for graph, table in manifest["sps"]["tables"].items():
         click.echo(f"SPS ({graph}, past {manifest['sps']['past']}): steps/s = 1 / (draft(R) + verify(R, B))")
         click.echo("   R \\ B " + "".join(f"{b:>9}" for b in table["buckets"]))
@@ -35,7 +38,10 @@ def _quantize_options(quantize, quantize_drafter: bool, quant_block_size: int, q
 @click.argument("export_dir", type=_PATH)
 @click.option("--out", "out_dir", required=True, type=_PATH, help="Engine directory to write (engine.json).")
 @click.option("--backend", default="onnxruntime", show_default=True,
-              type=click.Choice(["onnxruntime", "tensorrt"]), help="Engine backend.")
+              type=click.Choice(["onnxruntime", "tensorrt", "tensorrt-rtx"]),
+              help="Engine backend (tensorrt-rtx: TensorRT for RTX, built ahead of time, no GPU needed).")
+@click.option("--compute-capabilities", help="tensorrt-rtx: GPUs to build for, e.g. 8.0,8.9 "
+              "(default 8.0,8.6,8.9,12.0,12.1; also 7.5).")
 @click.option("--buckets", help="Verified-token buckets, e.g. 1,2,4,8,16 (default: powers of two up to "
               "--max-batch-tokens). TensorRT builds one optimization profile per bucket.")
 @click.option("--max-batch-tokens", default=64, show_default=True, type=int,
@@ -60,8 +66,8 @@ def _quantize_options(quantize, quantize_drafter: bool, quant_block_size: int, q
 @click.option("--quant-accuracy-level", default=4, show_default=True, type=click.IntRange(0, 4),
               help="With --quantize: MatMulNBits accuracy_level (4: int8 activations inside the kernel).")
 @click.option("--quiet", is_flag=True, help="No progress lines.")
-def build_engine(export_dir, out_dir, backend, buckets, max_batch_tokens, max_batch, max_seq_len, threads,
-                 profile_past, repeats, calibrate_data, tokenizer, reprofile, quiet,
+def build_engine(export_dir, out_dir, backend, compute_capabilities, buckets, max_batch_tokens, max_batch,
+                 max_seq_len, threads, profile_past, repeats, calibrate_data, tokenizer, reprofile, quiet,
                  **quantize_flags) -> None:
     """Build an ONNX Runtime or TensorRT engine from EXPORT_DIR, profile it, optionally calibrate it."""
     import shutil
@@ -86,7 +92,9 @@ def build_engine(export_dir, out_dir, backend, buckets, max_batch_tokens, max_ba
     else:
         options = B.BuildOptions(backend=backend, buckets=parse_buckets(buckets) if buckets else None,
                                  max_batch_tokens=max_batch_tokens, max_batch=max_batch, max_seq_len=max_seq_len,
-                                 threads=threads, profile_past=profile_past, repeats=repeats)
+                                 threads=threads, profile_past=profile_past, repeats=repeats,
+                                 compute_capabilities=tuple(c.strip() for c in (compute_capabilities or "").split(",")
+                                                            if c.strip()))
         options = replace(options, quantize=_quantize_options(**quantize_flags))
         if tokenizer and not Path(tokenizer).is_file():
             raise BuildError(f"--tokenizer {tokenizer} does not exist")
