@@ -28,8 +28,10 @@ from .prefix_scheduler import SchedulerConfig
 def target_step_seconds(backend: OrtBackend, kv_mode: str, batch: int, past: int, tokens: int,
                         capacity: int) -> float:
     m = backend.manifest["target"]
-    layers, kvh, hd = m["num_layers"], m["num_kv_heads"], m["head_dim"]
-    slots = [torch.randn(batch, kvh, capacity, hd) for _ in range(2 * layers)]  # the engine's buffers
+    layers = m["num_layers"]
+    # the engine's buffers, each with its layer's dims (Gemma-4's layers differ)
+    slots = [torch.randn(batch, t.dims[1], capacity, t.dims[3]) for t in backend.specs[C.TARGET].inputs
+             if t.name.startswith("past_key_values.")]
     ids = torch.randint(0, m["vocab_size"], (batch, tokens))
     positions = (past + torch.arange(tokens)).expand(batch, -1).contiguous()
     causal = torch.ones(tokens, tokens, dtype=torch.bool).tril().expand(batch, 1, -1, -1)
