@@ -39,6 +39,7 @@ class TextCodec:
         self.special_tokens = dict(special_tokens or {})
         self.chat_template = chat_template
         self._template = None if chat_template is None else _compile(chat_template, source.parent / CONFIG_FILE)
+        self._skipped: frozenset[int] | None = None
 
     @classmethod
     def from_dir(cls, folder: str | Path) -> TextCodec:
@@ -63,6 +64,14 @@ class TextCodec:
         where = Path(folders[0]) / TOKENIZER_FILE if folders else Path(TOKENIZER_FILE)
         raise NoTokenizerError(where, "is missing, and text needs it",
                                "prompts must be a sequence of token ids without it (or re-export the pair with it)")
+
+    @property
+    def skipped_ids(self) -> frozenset[int]:
+        """The ids `decode` leaves out: special tokens."""
+        if self._skipped is None:
+            added = self.tokenizer.get_added_tokens_decoder()
+            self._skipped = frozenset(i for i, token in added.items() if token.special)
+        return self._skipped
 
     @property
     def vocab_size(self) -> int:
@@ -198,59 +207,102 @@ def cut_text(text: str, stops: Sequence[str]) -> str:
     return text[: min(hits)] if hits else text
 
 
+class IncrementalText:
+    """decode(tokens) kept up to date as tokens are appended, for the price of the newest few tokens per call
+    rather than the whole output (a full decode per step is quadratic in the output length). The window
+    trick of streaming detokenizers: decode a short window of recent tokens with and without the new ones
+    and append the difference, so a decoder that treats a sequence's first token specially (a Metaspace
+    leading space) sees the same start both times; the window keeps at least one token that decode does
+    not skip before the new ones, or that first token would be a different one each time. A window ending
+    in a partial UTF-8 character (U+FFFD) stays open until the tokens that complete it arrive; `text` leaves
+    that character out."""
+
+    def __init__(self, codec: TextCodec) -> None:
+        self.codec = codec
+        self.tokens: list[int] = []
+        self.text = ""  # decode(tokens) without its trailing U+FFFD
+        self._settled = ""  # decode(tokens[:_read])
+        self._start = 0  # the window: tokens[_start:], of which tokens[_start:_read] are in _settled
+        self._read = 0
+
+    def extend(self, new_tokens: Sequence[int]) -> None:
+        self.tokens.extend(new_tokens)
+        window = self.codec.decode(self.tokens[self._start :])
+        base = self.codec.decode(self.tokens[self._start : self._read]) if self._read > self._start else ""
+        if not window.startswith(base):  # the new tokens changed settled text: start again from the whole
+            self._settled, self._start, self._read, base = "", 0, 0, ""
+            window = self.codec.decode(self.tokens)
+        if window.endswith("\ufffd"):
+            self.text = self._settled + window[len(base) :].rstrip("\ufffd")
+            return
+        self._settled += window[len(base) :]
+        self.text = self._settled
+        skipped = self.codec.skipped_ids
+        if any(t not in skipped for t in self.tokens[self._read :]):
+            self._start = self._read
+        self._read = len(self.tokens)
+
+
 class StopWatch:
-    """Finds the token at which a stop string first appears in the decoded output, checking only what
-    was added since the last call. Both `Runtime.generate` and the server call it after every step and
-    cut there, so both end a request at the same token."""
+    """Finds the token at which a stop string first appears in the decoded output, decoding only what was
+    added since the last call. Both `Runtime.generate` and the server call it after every step and cut
+    there, so both end a request at the same token."""
 
     def __init__(self, codec: TextCodec, stops: Sequence[str]) -> None:
         self.codec, self.stops = codec, tuple(stops)
-        self.checked = 0  # decode(tokens[:checked]) holds no stop string
+        self.decoded = IncrementalText(codec)
+        self._longest = max(map(len, self.stops), default=0)
+        self._cut: int | None = None
 
     def check(self, tokens: Sequence[int]) -> int | None:
-        """The shortest length k > checked with a stop string in decode(tokens[:k]), or None."""
-        if not self.stops or len(tokens) <= self.checked:
-            return None
-        if not self._has_stop(tokens):
-            self.checked = len(tokens)
-            return None
-        lo, hi = self.checked, len(tokens)  # no stop at lo, a stop at hi
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            lo, hi = (lo, mid) if self._has_stop(tokens[:mid]) else (mid, hi)
-        return hi
-
-    def _has_stop(self, tokens: Sequence[int]) -> bool:
-        text = self.codec.decode(tokens)
-        return any(s in text for s in self.stops)
+        """The shortest length k with a stop string in decode(tokens[:k]), or None. `tokens` is the whole
+        output so far (it only grows between calls)."""
+        if self._cut is not None or not self.stops or len(tokens) <= len(self.decoded.tokens):
+            return self._cut
+        checked, searched = len(self.decoded.tokens), len(self.decoded.text)
+        self.decoded.extend(tokens[checked:])
+        tail = self.decoded.text[max(0, searched - self._longest + 1) :]
+        if any(s in tail for s in self.stops):  # rare: find the token by bisection, once per request
+            lo, hi = checked, len(tokens)  # no stop in decode(tokens[:lo]), one in decode(tokens[:hi])
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                text = self.codec.decode(tokens[:mid])
+                lo, hi = (lo, mid) if any(s in text for s in self.stops) else (mid, hi)
+            self._cut = hi
+        return self._cut
 
 
 class TextStream:
     """Text deltas of a growing output whose concatenation is the final text: a trailing partial UTF-8
-    character (decoded as U+FFFD) and a tail that could begin a stop string are held back until the
-    next tokens settle them."""
+    character and a tail that could begin a stop string are held back until the next tokens settle them."""
 
     def __init__(self, codec: TextCodec, stops: Sequence[str] = ()) -> None:
-        self.codec, self.stops = codec, tuple(stops)
-        self.tokens: list[int] = []
-        self.sent = ""
+        self.stops = tuple(stops)
+        self.decoded = IncrementalText(codec)
+        self._longest = max(map(len, self.stops), default=0)
+        self.sent = 0  # characters handed out
 
     def push(self, new_tokens: Sequence[int]) -> str:
         """The text that became final with `new_tokens` ("" when it is all held back)."""
-        self.tokens.extend(new_tokens)
-        text = cut_text(self.codec.decode(self.tokens), self.stops)
-        safe = len(text.rstrip("\ufffd"))
-        safe -= _stop_prefix_tail(text[:safe], self.stops)
-        if safe <= len(self.sent):
+        self.decoded.extend(new_tokens)
+        text = self.decoded.text
+        # Sent text holds no whole stop string, so the earliest one starts in the last _longest - 1 sent
+        # characters or later.
+        lo = max(0, self.sent - self._longest + 1)
+        hits = [i for i in (text.find(s, lo) for s in self.stops) if i >= 0]
+        end = min(hits) if hits else len(text)
+        while end > self.sent and text[end - 1] == "\ufffd":
+            end -= 1
+        end -= _stop_prefix_tail(text[max(0, end - self._longest) : end], self.stops)
+        if end <= self.sent:
             return ""
-        delta = text[len(self.sent) : safe]  # decoders whose earlier text never changes: exact
-        self.sent += delta
+        delta, self.sent = text[self.sent : end], end
         return delta
 
     def finish(self, final_text: str) -> str:
         """The rest of the final text after what was sent."""
-        delta = final_text[len(self.sent) :]
-        self.sent += delta
+        delta = final_text[self.sent :]
+        self.sent += len(delta)
         return delta
 
 
