@@ -62,7 +62,10 @@ setup(
                 "uvicorn>=0.30", "starlette>=0.38", "prometheus-client>=0.20", "openai>=1.40", "httpx>=0.27",
                 "uvloop>=0.19; sys_platform != 'win32'", "httptools>=0.6",
                 "selenium>=4.20"],
-        "tensorrt": ["tensorrt>=10", "polygraphy>=0.49", "nvidia-ml-py>=12"],
+        "tensorrt": ["tensorrt>=10", "polygraphy>=0.49", "nvidia-ml-py>=12", "cuda-bindings>=12.6"],
+        # TensorRT for RTX: builds plans ahead of time on any machine (no GPU); they run on RTX-class GPUs.
+        # ~95 MB of wheels (tensorrt_rtx_cu13_libs), 228 MB installed; cuda-bindings serves the plans.
+        "tensorrt-rtx": ["tensorrt-rtx>=1.7", "cuda-bindings>=13"],
         "bench": ["transformers>=4.51", "onnxruntime-genai>=0.18"],
         # uvloop + httptools: uvicorn's fast event loop and HTTP parser (about a tenth of the
         # 64-client throughput in tools/serve_bench)
