@@ -21,6 +21,7 @@ from dspark.runtime.ort_backend import OrtBackend
 from dspark.runtime.prefix_scheduler import SchedulerConfig
 from dspark.runtime.reference_decoder import autoregressive_generate, speculative_generate
 from dspark.runtime.torch_backend import TorchBackend
+from dspark.runtime.tree_decoder import tree_generate
 
 SET = "gemma4-tiny"
 TRACES = {"traces.json": "fixed", "traces_threshold_0.5.json": "threshold"}
@@ -124,3 +125,26 @@ def test_export_json_describes_the_layouts(exported):
     assert dims["past_key_values.2.value"] == ["batch", 1, "past", 32]
     assert set(manifest["dropped_graphs"]) == {"target_fused", "target_fused_tree"}
     assert "not representable" in manifest["dropped_graphs"]["target_fused"]["reason"]
+
+
+def test_greedy_equals_target_past_the_window_with_mid_flight_arrivals(pair):
+    """Prompts and generations past the 16-token window, requests joining mid-flight into 3 slots
+    (rows move when one leaves), the DSpark scheduler and the static cache; and tree drafting."""
+    target, drafter = pair
+    engine = BatchEngine(TorchBackend(target, drafter), ModelInfo.from_models(target, drafter),
+                         capacity=Capacity(3, 4096, 128), kv_mode="static", scheduler=SchedulerConfig("dspark"),
+                         cost_model=StepCostModel(1e-3, 2e-4, 4e-4))
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 500, (n,), generator=g).tolist() for n in (5, 40, 2, 19, 33)]
+    prompts[1][20:] = load_json(golden_path(SET, "traces.json"))["samples"][2]["prompt_ids"][:20]  # in-distribution
+    budgets = [30, 20, 40, 25, 12]
+    ids = {}
+    for i, (prompt, budget) in enumerate(zip(prompts, budgets, strict=True)):
+        ids[engine.submit(prompt, max_new_tokens=budget)] = i
+        engine.step()
+    finished = engine.run_until_done()
+    for request_id, i in ids.items():
+        expected = autoregressive_generate(target, prompts[i], max_new_tokens=budgets[i])
+        assert finished[request_id].tokens == expected, f"prompt {i}"
+        tree = tree_generate(target, drafter, prompts[i], max_new_tokens=budgets[i], num_nodes=10)
+        assert tree.tokens == expected, f"tree, prompt {i}"
