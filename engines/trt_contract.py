@@ -32,15 +32,18 @@ class ContractMismatch(BuildError):
     """A built network or optimization profile that does not match the graph contract or buckets."""
 
 
-def network_io(network: Any) -> dict[str, list[dict[str, Any]]]:
-    """The parsed network's inputs and outputs: name, dtype (contract names), shape (-1 = dynamic)."""
+def network_io(network: Any) -> dict[str, list[Any]]:
+    """The parsed network's inputs and outputs (name, dtype in contract names, shape with -1 for a
+    dynamic dim) and the names of its plugin layers (none: the plan needs no plugin library)."""
 
     def describe(tensor: Any) -> dict[str, Any]:
         return {"name": tensor.name, "dtype": _DTYPES.get(tensor.dtype.name, tensor.dtype.name),
                 "shape": list(tensor.shape)}
 
+    layers = [network.get_layer(i) for i in range(network.num_layers)]
     return {"inputs": [describe(network.get_input(i)) for i in range(network.num_inputs)],
-            "outputs": [describe(network.get_output(i)) for i in range(network.num_outputs)]}
+            "outputs": [describe(network.get_output(i)) for i in range(network.num_outputs)],
+            "plugins": [layer.name for layer in layers if layer.type.name.startswith("PLUGIN")]}
 
 
 def read_profiles(profiles: Sequence[Any], names: Sequence[str]) -> list[dict[str, list[list[int]]]]:

@@ -99,6 +99,7 @@ def test_every_graph_of_the_export_builds_and_matches_its_contract(name, exports
         plan, held = plans(export / manifest["graphs"][graph]["file"], TB.graph_profiles(spec, BUCKETS, limits))
         assert len(plan) > 1000, graph
         check_network(spec, held["network"])
+        assert held["network"]["plugins"] == [], graph  # tree masks are inputs: no plugin library needed
         check_profiles(spec, held["profiles"], BUCKETS, limits)
         # the profiles TensorRT holds are the bucket table's, bucket by bucket
         wanted = [profile_shapes(spec, b, limits) for b in TB.graph_buckets(graph, BUCKETS)]
