@@ -39,6 +39,8 @@ from .model_info import ModelInfo
 from .monitor import Monitor
 from .prefix_scheduler import Decision, SchedulerConfig, StepScheduler
 from .proposer import DraftBlock
+from .recovery.resume import resumed_generator, resumed_tokens
+from .recovery.snapshot import RequestSnapshot
 from .requests import find_stop, stop_set, validate_request
 from .sampling import sample_rows
 from .stats import EngineStats, RequestResult, StepRecord
@@ -92,7 +94,8 @@ class BatchEngine:
         self.gate = (DraftingGate(cost_model, block_size=info.block_size,
                                   temperatures=scheduler.confidence_temperatures,
                                   padded=scheduler.pricing == "padded")
-                     if scheduler.mode == "dspark" and scheduler.gate_drafting and isinstance(cost_model, SplitStepCost)
+                     if scheduler.mode in ("dspark", "async") and scheduler.gate_drafting
+                     and isinstance(cost_model, SplitStepCost)
                      else None)
         self.admission = Admission(capacity)
         slots, length = capacity.max_requests, capacity.max_seq_len
@@ -116,17 +119,24 @@ class BatchEngine:
         temperature: float = 0.0,
         seed: int = 0,
         stop_token_ids: Sequence[int] = (),
+        resume_from: RequestSnapshot | None = None,
     ) -> int:
         """Validate and queue a request; returns its id. Invalid requests raise RequestError or
-        CapacityError here and never touch the engine's state."""
+        CapacityError here and never touch the engine's state. `resume_from`: a snapshot of this request
+        from an engine that is gone; it continues from its committed tokens and RNG state (`recovery`)."""
         prompt = validate_request(prompt_ids, vocab_size=self.info.vocab_size, max_positions=self.info.max_positions,
                                   max_new_tokens=max_new_tokens, temperature=temperature)
         stop = stop_set(stop_token_ids, self.info.vocab_size)
         self.admission.check_servable(self.positions_needed(len(prompt), max_new_tokens))
+        tokens, generator = [], torch.Generator().manual_seed(seed) if temperature > 0 else None
+        rounds: tuple[list[int], list[int]] = ([], [])
+        if resume_from is not None:
+            tokens = resumed_tokens(resume_from, self.info.vocab_size, max_new_tokens)
+            generator = resumed_generator(resume_from, temperature, seed)
+            rounds = (list(resume_from.acceptance_lengths), list(resume_from.proposal_lengths))
         request_id = next(self._ids)
-        generator = torch.Generator().manual_seed(seed) if temperature > 0 else None
-        result = RequestResult(request_id, prompt, [], submitted_step=self._step)
-        self.queue.append(_Active(result, max_new_tokens, float(temperature), stop, generator))
+        result = RequestResult(request_id, prompt, tokens, *rounds, submitted_step=self._step)
+        self.queue.append(_Active(result, max_new_tokens, float(temperature), stop, generator, scanned=len(tokens)))
         return request_id
 
     def positions_needed(self, prompt_len: int, max_new_tokens: int) -> int:
@@ -140,6 +150,10 @@ class BatchEngine:
             return self.finished[request_id].tokens
         active = next((a for a in self.active if a.result.request_id == request_id), None)
         return [] if active is None else active.result.tokens[: active.max_new_tokens]
+
+    @property
+    def steps_run(self) -> int:
+        return self._step
 
     @property
     def idle(self) -> bool:
@@ -281,7 +295,8 @@ class BatchEngine:
 
     def _prefill(self, new: list[_Active]) -> None:
         first_row = len(self.active)
-        batch = StepBatch.prompts([a.result.prompt_ids for a in new])
+        # a resumed request's KV is rebuilt from prompt + committed tokens; its last token is its anchor
+        batch = StepBatch.prompts([a.result.prompt_ids + a.result.tokens[:-1] for a in new])
         for r in range(len(new)):
             self.target_kv.clear(first_row + r)
             self.drafter_kv.clear(first_row + r)
@@ -289,12 +304,15 @@ class BatchEngine:
         self.target.commit(batch.counts, first_row)
         rows = np.arange(len(new))
         last = torch.from_numpy(np.ascontiguousarray(out.logits[rows, batch.counts - 1]))  # [P, V]
-        anchors = sample_rows(last, [a.temperature for a in new], [a.generator for a in new]).tolist()
+        fresh = [not a.result.tokens for a in new]  # a resumed request draws nothing here
+        anchors = sample_rows(last, [a.temperature if f else 0.0 for a, f in zip(new, fresh, strict=True)],
+                              [a.generator if f else None for a, f in zip(new, fresh, strict=True)]).tolist()
         context = batch.gather(out.context_features, batch.counts)
         for r, a in enumerate(new):
-            a.start, a.anchor = int(batch.counts[r]), anchors[r]
+            if fresh[r]:
+                a.result.tokens.append(anchors[r])
+            a.start, a.anchor = int(batch.counts[r]), a.result.tokens[-1]
             a.pending = [context[batch.cu_counts[r] : batch.cu_counts[r + 1]]]
-            a.result.tokens.append(a.anchor)
             self.active.append(a)
 
     def _reconcile(self, batch: StepBatch, out, block, temperatures: list[float],

@@ -32,6 +32,7 @@ USER_ERRORS: tuple[tuple[str, str], ...] = (
     ("dspark.runtime.backend", "BackendUnavailable"),
     ("dspark.runtime.requests", "RequestError"),
     ("dspark.runtime.kv_cache", "CapacityError"),
+    ("dspark.runtime.recovery.journal", "JournalError"),
 )
 
 

@@ -33,6 +33,13 @@ _LOOPBACK = ("127.0.0.1", "localhost", "::1")
               help="dspark: Algorithm 1; async: its §5.2 form, batch size from the confidences of two steps earlier.")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]))
+@click.option("--journal", "journal_dir", type=click.Path(file_okay=False, path_type=str),
+              help="Keep every request's snapshot here; restarted with the same directory, the server resumes the "
+                   "requests it was running, and clients reconnect with Last-Event-ID (docs/recovery.md).")
+@click.option("--journal-fsync", default="interval", show_default=True,
+              type=click.Choice(["step", "interval", "never"]),
+              help="When the journal reaches the disk: every step, once a second, or when the OS likes. A killed "
+                   "server loses nothing under any of them; a power cut loses what was not flushed.")
 @click.option("--replicas", default=0, show_default=True, type=click.IntRange(min=0),
               help="Run N engine replicas on Ray Serve behind this endpoint (0: one engine in this process).")
 @click.option("--routing", default="weighted", show_default=True,  # cluster.routing.POLICIES
@@ -43,18 +50,21 @@ _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 @click.option("--cpus-per-replica", default=1.0, show_default=True, type=click.FloatRange(min=0),
               help="With --replicas: Ray CPUs each engine replica reserves.")
 def serve(engine_dir, host, port, api_key, max_queue, max_tokens_per_request, max_requests, max_seq_len,
-          max_body_bytes, model_name, scheduler, log_level, replicas, routing, ray_address, cpus_per_replica) -> None:
+          max_body_bytes, model_name, scheduler, log_level, replicas, routing, ray_address, cpus_per_replica,
+          journal_dir, journal_fsync) -> None:
     """Serve /v1/completions and /v1/chat/completions (OpenAI protocol), /metrics and /dashboard."""
     try:
-        import uvicorn
+        import uvicorn  # noqa: F401 - fail now, with the fix, not after loading the engine
     except ImportError:
         raise click.ClickException("the server needs uvicorn and starlette: pip install 'dspark[serve]'") from None
+    if replicas and journal_dir:
+        raise click.UsageError("--journal keeps one in-process engine's requests; with --replicas there is no "
+                               "replica snapshot store yet (docs/recovery.md)")
     from pathlib import Path
 
     from dspark.runtime.api import Runtime, RuntimeOptions
     from dspark.runtime.prefix_scheduler import SchedulerConfig
-    from dspark.runtime.serving.app import ServerConfig, create_app
-    from dspark.runtime.serving.service import EngineService
+    from dspark.runtime.serving.app import ServerConfig
 
     if engine_dir is None:
         from dspark.tools.demo_engine import demo_engine_dir
@@ -78,16 +88,10 @@ def serve(engine_dir, host, port, api_key, max_queue, max_tokens_per_request, ma
         except ImportError as exc:
             raise click.ClickException(str(exc)) from None
         return
+    from dspark.tools.serve_engine import serve_runtime
+
+    config = ServerConfig(model_name=model_name, api_key=api_key, max_body_bytes=max_body_bytes,
+                          max_tokens_per_request=max_tokens_per_request)
     with Runtime.load(engine_dir, options) as runtime:
-        service = EngineService(runtime, max_queue=max_queue, max_new_tokens=max_tokens_per_request)
-        try:
-            app = create_app(service, ServerConfig(model_name=model_name, api_key=api_key,
-                                                   max_body_bytes=max_body_bytes,
-                                                   max_tokens_per_request=max_tokens_per_request))
-            shown = f"[{host}]" if ":" in host else host
-            click.echo(f"dspark serve: model '{model_name}' from {engine_dir} on http://{shown}:{port} "
-                       "(/v1/completions, /v1/chat/completions, /metrics, /dashboard)", err=True)
-            uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,
-                        limit_concurrency=max_queue + max_requests + 64)
-        finally:
-            service.close()
+        serve_runtime(runtime, config, host=host, port=port, max_queue=max_queue, log_level=log_level,
+                      journal_dir=journal_dir, journal_fsync=journal_fsync, source=engine_dir)

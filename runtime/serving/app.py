@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import json
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -110,6 +111,9 @@ class OpenAIServer:
     # -- generation -------------------------------------------------------------------------------
     async def _generate(self, request: Request, *, chat: bool) -> Response:
         self._authorize(request)
+        journal = getattr(self.service, "journal", None)
+        if journal is not None and (last := request.headers.get("last-event-id")) is not None:
+            return self._reconnect(journal, last, chat)
         raw = await self._read_body(request)
         body = P.parse_json(raw)
         limit = self.config.max_tokens_per_request
@@ -123,9 +127,11 @@ class OpenAIServer:
         default = room if chat else min(room, self.config.default_completion_tokens)
         max_tokens = req.max_tokens or default
         seed = req.seed if req.seed is not None else P.random_seed()
-        handle = self._submit(req, prompt_ids, max_tokens, seed)
+        rid, created = P.new_id(chat), int(time.time())
+        # a journaled service keeps the body: a reconnecting client's stream is rendered from it again
+        context = {"body": raw.decode("utf-8", "replace"), "created": created} if journal is not None else None
+        handle = self._submit(req, prompt_ids, max_tokens, seed, key=rid, context=context)
         echo = self._echo_text(req, prompt_ids)
-        rid = P.new_id(chat)
         if req.stream:
             return _SSE(self._events(req, handle, rid, len(prompt_ids), echo, seed), handle)
         result = await _result_unless_gone(request, handle)
@@ -135,14 +141,16 @@ class OpenAIServer:
         return JSONResponse(P.response(req, rid, self.config.model_name, text, _finish(result.finish_reason),
                                        P.usage(len(prompt_ids), len(result.tokens)), _extras(result, seed)))
 
-    def _submit(self, req: P.ServeRequest, prompt_ids: list[int], max_tokens: int, seed: int) -> RequestHandle:
+    def _submit(self, req: P.ServeRequest, prompt_ids: list[int], max_tokens: int, seed: int, *,
+                key: str | None = None, context: dict | None = None) -> RequestHandle:
         if req.stop_strings and self.codec is None:
             raise P.bad("stop strings need the model's tokenizer.json, which this engine lacks; give token ids",
                         "stop")
         stop = [*req.stop_ids, *req.stop_strings, *self.service.runtime.info.eos_token_ids]  # eos always ends
+        journaled = {"key": key, "context": context} if context is not None else {}
         try:
             return self.service.submit(prompt_ids, max_new_tokens=max_tokens, temperature=req.temperature, seed=seed,
-                                       stop=stop)
+                                       stop=stop, **journaled)
         except QueueFull as exc:
             raise P.ApiError(429, str(exc), kind="rate_limit_error", code="queue_full",
                              headers={"Retry-After": str(exc.retry_after)}) from None
@@ -152,15 +160,22 @@ class OpenAIServer:
             raise P.ApiError(503, str(exc), kind="server_error") from None
 
     async def _events(self, req: P.ServeRequest, handle: RequestHandle, rid: str, prompt_len: int, echo: str,
-                      seed: int) -> Any:
-        model, created = self.config.model_name, int(time.time())
+                      seed: int, *, start: int | None = None, created: int | None = None) -> Any:
+        """The SSE events; with a journal each carries `id: RID/N` (N: tokens sent up to it), and `start`
+        resumes after the first `start` tokens (a reconnect: the opening chunk was sent before)."""
+        model, created = self.config.model_name, created or int(time.time())
         stream = TextStream(self.codec, req.stop_strings) if self.codec is not None else None
         chunks = P.TokenChunks(req, rid, model, created)
-        if req.chat or echo:
-            yield P.sse(P.chunk(req, rid, model, created, text=echo, role=req.chat))
+        sent, ids = start or 0, handle.key is not None
+        if stream is not None and sent:
+            stream.push(handle.tokens()[:sent])  # the text the client has: what follows continues it
+        if (req.chat or echo) and start is None:
+            yield _event_id(rid, 0, ids) + P.sse(P.chunk(req, rid, model, created, text=echo, role=req.chat))
         try:
-            async for tokens in handle.astream():
-                yield chunks.render(stream.push(tokens) if stream is not None else "", tokens)
+            async for tokens in handle.astream(sent):
+                sent += len(tokens)
+                yield _event_id(rid, sent, ids) + chunks.render(stream.push(tokens) if stream is not None else "",
+                                                                tokens)
             result = handle.result(0)
         except (RequestFailed, ServiceClosed) as exc:
             yield P.sse(P.ApiError(500, str(exc), kind="server_error").body()) + P.sse("[DONE]")
@@ -170,7 +185,22 @@ class OpenAIServer:
                              extras=_extras(result, seed, with_ids=False)))
         if req.include_usage:
             tail += P.sse(P.chunk(req, rid, model, created, usage_=P.usage(prompt_len, len(result.tokens))))
-        yield tail + P.sse("[DONE]")  # one write for the last events
+        yield _event_id(rid, len(result.tokens), ids) + tail + P.sse("[DONE]")  # one write for the last events
+
+    def _reconnect(self, journal: Any, last_event_id: str, chat: bool) -> Response:
+        """A client that lost its stream (the server restarted, the connection broke) sends the same request
+        with `Last-Event-ID: RID/N`: it gets the stream's events after its first N tokens."""
+        rid, _, count = last_event_id.strip().rpartition("/")
+        handle = journal.find(rid) if count.isdigit() else None
+        if handle is None:
+            raise P.ApiError(404, f"no stream '{last_event_id[:120]}' here to resume (Last-Event-ID is RID/N from "
+                                  "an event of this server; finished streams are kept a while, then forgotten)",
+                             code="stream_not_found")
+        body = json.loads(handle.context["body"])
+        limit = self.config.max_tokens_per_request
+        req = P.chat_request(body, limit) if chat else P.completion_request(body, limit)
+        return _SSE(self._events(req, handle, rid, len(handle.prompt_ids), "", handle.seed, start=int(count),
+                                 created=handle.context.get("created")), handle)
 
     # -- pieces -----------------------------------------------------------------------------------
     def _authorize(self, request: Request) -> None:
@@ -254,6 +284,10 @@ async def _result_unless_gone(request: Request, handle: RequestHandle) -> Any:
 async def _disconnect(receive: Any) -> None:
     while (await receive())["type"] != "http.disconnect":
         pass
+
+
+def _event_id(rid: str, tokens: int, journaled: bool) -> bytes:
+    return f"id: {rid}/{tokens}\n".encode() if journaled else b""
 
 
 def _finish(reason: str) -> str:

@@ -87,6 +87,8 @@ class RequestHandle:
         self.stop_ids, self.stop_strings = stop_ids, stop_strings
         self.timings = RequestTimings(time.monotonic())
         self.engine_id: int | None = None
+        self.key: str | None = None  # its stable id in a journaled service (the HTTP response id)
+        self.context: dict = {}  # the front end's fields, journaled with the request
         self._cond = threading.Condition()
         self._tokens: list[int] = []
         self._result: RequestResult | None = None
@@ -133,13 +135,14 @@ class RequestHandle:
             if not self._done:
                 self.cancel()
 
-    async def astream(self) -> AsyncIterator[list[int]]:
+    async def astream(self, start: int = 0) -> AsyncIterator[list[int]]:
         """`stream()` for an asyncio caller (an ASGI app): never blocks the event loop. Cancelling the
-        task that iterates (a client that went away) cancels the request."""
+        task that iterates (a client that went away) cancels the request. `start`: tokens the caller
+        already has (a reconnecting client); the stream begins after them."""
         event = asyncio.Event()
         with self._cond:
             self._loop, self._event = asyncio.get_running_loop(), event
-        sent = 0
+        sent = start
         try:
             while True:
                 with self._cond:

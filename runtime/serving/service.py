@@ -18,12 +18,15 @@ import itertools
 import logging
 import threading
 import time
+import uuid
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 
 from ..api import Runtime, Stop, finish_at_stop_strings
 from ..batch_loop import BatchEngine
+from ..recovery.service_journal import ServiceJournal
+from ..recovery.snapshot import RequestSnapshot, SnapshotStore
 from ..requests import RequestError, stop_set, validate_request
 from ..stats import RequestResult, StepRecord
 from ..text import StopWatch
@@ -52,9 +55,12 @@ class EngineService:
     Runtime stays open (its owner closes it)."""
 
     def __init__(self, runtime: Runtime, *, max_queue: int = 1024, max_new_tokens: int | None = None,
-                 engine: BatchEngine | None = None, idle_wait: float = 0.5) -> None:
+                 engine: BatchEngine | None = None, idle_wait: float = 0.5, store: SnapshotStore | None = None) -> None:
+        """`store`: where every request's snapshot goes each step (`dspark.runtime.recovery`); its requests
+        from an earlier run are resumed before the loop starts (`self.recovered` says what came back)."""
         self.runtime = runtime
         self.engine = engine or runtime.engine()
+        self.journal = ServiceJournal(store) if store is not None else None
         self.max_queue, self.max_new_tokens, self.idle_wait = max_queue, max_new_tokens, idle_wait
         self._lock = threading.Lock()  # inbox, cancels, counters read by other threads
         self._wake = threading.Event()
@@ -68,6 +74,9 @@ class EngineService:
         self._ids = itertools.count()
         self._counts = dict.fromkeys(("submitted", "finished", "cancelled", "failed", "steps"), 0)
         self._engine_queued = 0
+        self.recovered = self.journal.store.recover() if self.journal is not None else None
+        for snapshot in [*self.recovered.finished, *self.recovered.running] if self.recovered is not None else ():
+            self._resume(snapshot)
         self._snapshot = self._measure()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="dspark-engine-loop", daemon=True)
@@ -75,7 +84,7 @@ class EngineService:
 
     # -- any thread -------------------------------------------------------------------------------
     def submit(self, prompt: str | list[int], *, max_new_tokens: int, temperature: float = 0.0, seed: int = 0,
-               stop: Stop = ()) -> RequestHandle:
+               stop: Stop = (), key: str | None = None, context: dict | None = None) -> RequestHandle:
         """Validate and queue one request (token ids or text; `stop` token ids and/or strings). Raises
         RequestError / CapacityError for a request the engine cannot serve, QueueFull past the queue limit,
         ServiceClosed after close(). Same seed, same output as `Runtime.generate`."""
@@ -97,6 +106,8 @@ class EngineService:
                 raise QueueFull(waiting, self.max_queue)
             handle = RequestHandle(self, next(self._ids), ids, max_new_tokens=max_new_tokens,
                                    temperature=float(temperature), seed=seed, stop_ids=stop_ids, stop_strings=strings)
+            if self.journal is not None:  # `key`: the front end's id for it (unique); `context`: its fields
+                handle.key, handle.context = key or f"req-{uuid.uuid4().hex}", dict(context or {})
             self._inbox.append(handle)
             self._counts["submitted"] += 1
         self._wake.set()
@@ -168,6 +179,32 @@ class EngineService:
         finally:
             self._fail_all(ServiceClosed("the engine service is closed"))
 
+    def _resume(self, snapshot: RequestSnapshot) -> None:
+        """Before the loop starts: an earlier run's request continues from its snapshot (same key)."""
+        spec = snapshot.spec
+        handle = RequestHandle(self, next(self._ids), list(spec.prompt_ids), max_new_tokens=spec.max_new_tokens,
+                               temperature=spec.temperature, seed=spec.seed, stop_ids=list(spec.stop_ids),
+                               stop_strings=tuple(spec.stop_strings))
+        handle.key, handle.context, handle._tokens = spec.key, dict(spec.context), list(snapshot.tokens)
+        if snapshot.finish_reason is not None:  # kept for a client that reconnects to read its end
+            handle._finish(RequestResult(-1, handle.prompt_ids, list(snapshot.tokens), snapshot.acceptance_lengths,
+                                         snapshot.proposal_lengths, snapshot.finish_reason), time.monotonic())
+            self.journal.ended(handle)
+            return
+        try:
+            handle.engine_id = self.engine.submit(spec.prompt_ids, max_new_tokens=spec.max_new_tokens,
+                                                  temperature=spec.temperature, seed=spec.seed,
+                                                  stop_token_ids=spec.stop_ids, resume_from=snapshot)
+        except Exception as exc:  # a snapshot this engine cannot take (another model, a smaller capacity)
+            self.recovered.problems.append(f"request {spec.key} cannot resume here: {exc}")
+            self.journal.unresumable(snapshot)
+            return
+        self._handles[handle.engine_id] = handle
+        if handle.stop_strings:
+            self._watches[handle.engine_id] = StopWatch(self.runtime.tokenizer, handle.stop_strings)
+        self.journal.submitted(handle, snapshot)
+        self._counts["submitted"] += 1
+
     def _take_inbox(self) -> None:
         with self._lock:
             new, self._inbox = self._inbox, deque()
@@ -188,6 +225,8 @@ class EngineService:
             self._handles[handle.engine_id] = handle
             if handle.stop_strings:
                 self._watches[handle.engine_id] = StopWatch(self.runtime.tokenizer, handle.stop_strings)
+            if self.journal is not None:
+                self.journal.submitted(handle)
         for handle in cancels:
             if handle.engine_id is not None and handle.engine_id in self._handles:
                 self.engine.cancel(handle.engine_id)
@@ -231,6 +270,8 @@ class EngineService:
         if handle is not None:
             result = result or RequestResult(request_id, handle.prompt_ids, handle.tokens())
             result.finish_reason = "error"
+            if self.journal is not None:
+                self.journal.failed(request_id, result)
             self._end(handle, result, now, error)
 
     def _deliver(self) -> None:
@@ -239,6 +280,8 @@ class EngineService:
         with self._lock:  # before anyone hears of this step: a client answered now must see the queue as it is
             self._engine_queued = len(self.engine.queue)
         done = finish_at_stop_strings(self.engine, self._watches)
+        if self.journal is not None:  # before any client hears of this step
+            self.journal.stepped(self.engine, done)
         now = time.monotonic()
         woken: dict[asyncio.AbstractEventLoop, list[asyncio.Event]] = {}
         for request_id, tokens in running_tokens(self.engine):
@@ -254,6 +297,8 @@ class EngineService:
     def _end(self, handle: RequestHandle, result: RequestResult, now: float, error: BaseException | None = None,
              woken: dict | None = None) -> None:
         handle._finish(result, now, error)
+        if self.journal is not None:
+            self.journal.ended(handle)
         with self._lock:
             self._counts["finished"] += 1
             self._counts["cancelled"] += result.finish_reason == "cancelled"

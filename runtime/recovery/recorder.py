@@ -1,0 +1,58 @@
+"""Snapshots out of a live engine: after each step, every tracked request's new tokens, rounds and RNG
+state become one `Progress`, and finished results one `Finished`; the store gets them in one call."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from ..batch_loop import BatchEngine
+from ..stats import RequestResult
+from .snapshot import Finished, Progress, SnapshotStore
+
+
+def rng_state(generator: torch.Generator | None) -> bytes | None:
+    """A sampler's full state as bytes (None for a greedy request, which has no sampler)."""
+    return None if generator is None else generator.get_state().numpy().tobytes()
+
+
+class StepRecorder:
+    """Tracks engine request ids -> store keys and what has been recorded of each."""
+
+    def __init__(self, store: SnapshotStore) -> None:
+        self.store = store
+        self._seen: dict[int, list] = {}  # engine id -> [key, tokens recorded, rounds recorded]
+
+    def track(self, engine_id: int, key: str, tokens: int = 0, rounds: int = 0) -> None:
+        self._seen[engine_id] = [key, tokens, rounds]
+
+    def record(self, engine: BatchEngine, done: Mapping[int, RequestResult]) -> None:
+        """After a step, before any client hears of it: the running rows' deltas and the finished results."""
+        progress = []
+        for a in engine.active:
+            seen = self._seen.get(a.result.request_id)
+            if seen is None:
+                continue
+            key, n, rounds = seen
+            result = a.result
+            if len(result.tokens) <= n:
+                continue
+            progress.append(Progress(key, n, result.tokens[n:], result.acceptance_lengths[rounds:],
+                                     result.proposal_lengths[rounds:], rng_state(a.generator)))
+            seen[1], seen[2] = len(result.tokens), len(result.acceptance_lengths)
+        finished = [self._finished(self._seen.pop(rid)[0], result)
+                    for rid, result in done.items() if rid in self._seen]
+        if progress or finished:
+            self.store.stepped(engine.steps_run, progress, finished)
+
+    def failed(self, engine_id: int, result: RequestResult) -> None:
+        """A request that ended outside a normal step (its step raised): recorded as finished."""
+        seen = self._seen.pop(engine_id, None)
+        if seen is not None:
+            self.store.stepped(-1, [], [self._finished(seen[0], result)])
+
+    @staticmethod
+    def _finished(key: str, result: RequestResult) -> Finished:
+        return Finished(key, list(result.tokens), result.finish_reason, list(result.acceptance_lengths),
+                        list(result.proposal_lengths))

@@ -1,0 +1,153 @@
+"""Request snapshots: what a request needs to continue after its engine is gone, and the stores that
+keep them.
+
+Per step, a running request's snapshot is its committed tokens (as a delta since the last record),
+its sampler's RNG state, and the step reached; settings go once, at submission (`RequestSpec`). No KV:
+a resumed request's KV is rebuilt by one prefill of prompt + committed tokens, and its next anchor is
+its last committed token, so the resumed engine draws the RNG exactly where the dead one stopped.
+
+`SnapshotStore` is the interface a store implements (the journal file of `dspark serve --journal`;
+a store that outlives a replica, such as a detached actor, fits the same four calls), and
+`SnapshotTable` the in-memory state every store rebuilds its records into.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+
+@dataclass(frozen=True)
+class RequestSpec:
+    """A request as submitted: enough to start it again from nothing."""
+
+    key: str  # the front end's stable id (the HTTP response id); unique per store
+    prompt_ids: list[int]
+    max_new_tokens: int
+    temperature: float
+    seed: int
+    stop_ids: list[int] = field(default_factory=list)
+    stop_strings: list[str] = field(default_factory=list)
+    context: dict[str, Any] = field(default_factory=dict)  # the front end's own fields, JSON-able
+
+
+@dataclass(frozen=True)
+class Progress:
+    """One request's change over one step: tokens first.. (and its rounds), then its RNG state."""
+
+    key: str
+    first: int  # tokens recorded before this delta
+    tokens: list[int]
+    acceptance_lengths: list[int]  # rounds since the last record
+    proposal_lengths: list[int]
+    rng_state: bytes | None  # the sampler's state after the step (None: greedy)
+
+
+@dataclass(frozen=True)
+class Finished:
+    key: str
+    tokens: list[int]  # the final output
+    reason: str  # "length", "stop", "cancelled" or "error"
+    acceptance_lengths: list[int]
+    proposal_lengths: list[int]
+
+
+@dataclass
+class RequestSnapshot:
+    """Where a request stands: running (finish_reason None) or finished."""
+
+    spec: RequestSpec
+    tokens: list[int] = field(default_factory=list)
+    acceptance_lengths: list[int] = field(default_factory=list)
+    proposal_lengths: list[int] = field(default_factory=list)
+    rng_state: bytes | None = None
+    step: int = -1  # the engine step of the last record (-1: never stepped)
+    finish_reason: str | None = None
+    broken: bool = False  # a record of it was lost: it continues from the last whole one
+
+
+@dataclass
+class Recovered:
+    running: list[RequestSnapshot]  # to resume, in submission order
+    finished: list[RequestSnapshot]  # kept so a reconnecting client can read its stream's end
+    problems: list[str]  # one line per damaged stretch or lost record (empty: all whole)
+
+
+class SnapshotStore(Protocol):
+    """Where snapshots go. Calls come from one thread (the engine loop); `stepped` once per step, before
+    any client sees that step's tokens, so a store never holds less than a client has read."""
+
+    def recover(self) -> Recovered: ...
+
+    def submitted(self, spec: RequestSpec) -> None: ...
+
+    def stepped(self, step: int, progress: Sequence[Progress], finished: Sequence[Finished]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class SnapshotTable:
+    """Snapshots rebuilt from records, in submission order; the last `keep_finished` finished ones kept."""
+
+    def __init__(self, keep_finished: int = 256) -> None:
+        self.running: dict[str, RequestSnapshot] = {}
+        self.finished: OrderedDict[str, RequestSnapshot] = OrderedDict()
+        self.keep_finished = keep_finished
+        self.problems: list[str] = []
+
+    def submit(self, spec: RequestSpec) -> None:
+        self.finished.pop(spec.key, None)
+        self.running[spec.key] = RequestSnapshot(spec)
+
+    def progress(self, step: int, p: Progress) -> None:
+        snap = self.running.get(p.key)
+        if snap is None or snap.broken:
+            return  # its submission was lost, or an earlier step of it was: resumes from before the gap
+        if p.first != len(snap.tokens):
+            snap.broken = True
+            self.problems.append(f"request {p.key}: a step record is missing (have {len(snap.tokens)} tokens, next "
+                                 f"record starts at {p.first}); it resumes from token {len(snap.tokens)}")
+            return
+        snap.tokens += p.tokens
+        snap.acceptance_lengths += p.acceptance_lengths
+        snap.proposal_lengths += p.proposal_lengths
+        snap.rng_state, snap.step = p.rng_state, step
+
+    def finish(self, step: int, f: Finished) -> None:
+        snap = self.running.pop(f.key, None)
+        if snap is None:
+            return
+        snap.tokens, snap.finish_reason, snap.step = list(f.tokens), f.reason, step
+        snap.acceptance_lengths, snap.proposal_lengths = list(f.acceptance_lengths), list(f.proposal_lengths)
+        snap.rng_state, snap.broken = None, False
+        self.finished[f.key] = snap
+        while len(self.finished) > self.keep_finished:
+            self.finished.popitem(last=False)
+
+    def recovered(self) -> Recovered:
+        return Recovered(list(self.running.values()), list(self.finished.values()), list(self.problems))
+
+
+class MemoryStore:
+    """A SnapshotStore in this process's memory: outlives an engine, not the process (tests, and an engine
+    restarted in place)."""
+
+    def __init__(self, keep_finished: int = 256) -> None:
+        self.table = SnapshotTable(keep_finished)
+
+    def recover(self) -> Recovered:
+        return self.table.recovered()
+
+    def submitted(self, spec: RequestSpec) -> None:
+        self.table.submit(spec)
+
+    def stepped(self, step: int, progress: Sequence[Progress], finished: Sequence[Finished]) -> None:
+        for p in progress:
+            self.table.progress(step, p)
+        for f in finished:
+            self.table.finish(step, f)
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,44 @@
+"""One engine service in this process behind the HTTP app, under uvicorn: what `dspark serve` runs once its
+engine is loaded (tests run it on their own runtimes), with the request journal when given one."""
+
+from __future__ import annotations
+
+import click
+
+from dspark.runtime.api import Runtime
+from dspark.runtime.serving.app import ServerConfig
+
+
+def serve_runtime(runtime: Runtime, config: ServerConfig, *, host: str, port: int, max_queue: int = 1024,
+                  log_level: str = "info", journal_dir: str | None = None, journal_fsync: str = "interval",
+                  source: str = "") -> None:
+    """Serve `runtime` until interrupted. With `journal_dir`, the requests an earlier server left there resume
+    first (one line on stderr says how many, and one per damaged record)."""
+    import uvicorn
+
+    from dspark.runtime.serving.app import create_app
+    from dspark.runtime.serving.service import EngineService
+
+    store = None
+    if journal_dir is not None:
+        from dspark.runtime.recovery.journal import JournalStore
+
+        store = JournalStore(journal_dir, fsync=journal_fsync)
+    service = EngineService(runtime, max_queue=max_queue, max_new_tokens=config.max_tokens_per_request, store=store)
+    try:
+        if service.recovered is not None:
+            r = service.recovered
+            click.echo(f"dspark serve: journal {journal_dir}: resumed {len(r.running)} requests, kept "
+                       f"{len(r.finished)} finished streams", err=True)
+            for problem in r.problems:
+                click.echo(f"dspark serve: journal: {problem}", err=True)
+        app = create_app(service, config)
+        shown = f"[{host}]" if ":" in host else host
+        click.echo(f"dspark serve: model '{config.model_name}' from {source} on http://{shown}:{port} "
+                   "(/v1/completions, /v1/chat/completions, /metrics, /dashboard)", err=True)
+        uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,
+                    limit_concurrency=max_queue + runtime.options.max_requests + 64)
+    finally:
+        service.close()
+        if store is not None:
+            store.close()
