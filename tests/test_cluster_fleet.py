@@ -217,3 +217,21 @@ def test_a_request_whose_replica_dies_before_its_first_token_is_served_by_anothe
     first, last, tokens = run(pair, scenario)
     assert (first, last) == ("engine-0", "engine-1")
     assert tokens == expected(pair[1], [41, 42, 43], 0.0, 0, 10)
+
+
+def test_a_stream_read_from_a_later_start_skips_what_the_reader_has(pair):
+    """The app's `astream(start)` (a reconnecting reader) works on a fleet request as on a RequestHandle."""
+    async def scenario(fleet, handles, rt):
+        async def read(request, start):
+            return [t for tokens in [x async for x in request.astream(start)] for t in tokens]
+
+        requests = [fleet.submit([51, 52, 53], max_new_tokens=12, temperature=0.0) for _ in range(12)]
+        live = dict(enumerate(await asyncio.gather(*(read(r, start) for start, r in enumerate(requests)))))
+        request = requests[0]
+        again = {start: await read(request, start) for start in range(13)}
+        return live, again, request.tokens()
+
+    live, again, tokens = run(pair, scenario)
+    assert tokens == expected(pair[1], [51, 52, 53], 0.0, 0, 12)
+    assert live == {start: tokens[start:] for start in range(12)}
+    assert again == {start: tokens[start:] for start in range(13)}

@@ -51,6 +51,13 @@ class Ingress:
     def __del__(self) -> None:
         self.fleet.close()
 
+    def set_policy(self, policy: str, seed: int = 0) -> str:
+        """Switch the routing policy on the running fleet (a handle call, not HTTP: tools/cluster_bench.py
+        compares policies on the same replicas); the ledger stays. Returns the policy now in force."""
+        self.fleet.router = Router(policy, seed=seed)
+        self.policy = policy
+        return policy
+
     def _routes(self) -> list[BaseRoute]:
         fleet = self.fleet
 

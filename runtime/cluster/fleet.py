@@ -235,6 +235,12 @@ class RemoteRequest:
     async def astream(self, start: int = 0) -> AsyncIterator[list[int]]:
         """New tokens as the replica commits them (after the first `start`); RequestFailed when the replica
         failed the request or died while generating it. Leaving early cancels the request."""
+        if self._done:  # read again after its end (as a RequestHandle can be): what it delivered
+            if self._tokens[start:]:
+                yield self._tokens[start:]
+            if self._error is not None:
+                raise self._error
+            return
         tried: set[int] = set()
         try:
             while not self._done:
