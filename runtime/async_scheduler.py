@@ -22,6 +22,19 @@ capacity follows the load when the batch grows or shrinks, where a fixed token c
 batch that doubled or flood one that halved. B_t = R_t + K_t is then an upper bound on the step's
 verified tokens known before its drafts exist (`StepScheduler.capacity(R)` for the engine).
 
+**Padded verification** (`SchedulerConfig.pricing` "padded", the default). Where the target verifies
+[R, W] rows (our ONNX Runtime graphs), a row that admits fewer than W drafts saves nothing, so the
+search is over a depth: d* = argmax_d τ(d)·SPS(R·(1 + d)), τ(d) = R·(1 + the mean over drafting rows
+of Σ_{j<d} a_j), and step t admits every row's candidates up to d*_{t-2} (a per-request quantity, so
+no rescaling when R changes). The argument below holds unchanged: d*_{t-2} is fixed before step t's
+drafts exist, and a row's admitted slots are its first d*_{t-2} candidates with a > 0, which depend
+on x_{r,<k} only.
+
+**With the drafting gate** (drafting_gate.py) some steps draft for a few rows or none. Rows that did
+not draft have confidence −inf (survival 0, no candidate); the packed capacity is kept per drafting
+row (K* · D_t / D_{t-2}, D the rows that drafted, chosen by the gate from committed history), and a
+step in which nothing drafted makes no decision. Which rows draft never depends on the step's drafts.
+
 **Warm-up.** The first two decisions have no history: they are synchronous Algorithm 1 decisions
 (`prefix_schedule`, early stop), which are lossless on their own; their searches still feed the
 capacity of decisions three and four. A "step" here is one `decide` call: an engine step with no
@@ -87,6 +100,20 @@ def best_capacity(survivals: np.ndarray, step_seconds: StepSeconds) -> int:
     return int(np.argmax(theta))
 
 
+def best_depth(survivals: np.ndarray, step_seconds: StepSeconds) -> int:
+    """The padded form of the search: verification runs [R, 1 + d] rows whatever each row admits, so
+    the choice is a depth. d* = argmax over d = 0..γ of τ(d) / step_seconds(R, R·(1 + d)), with
+    τ(d) = R·(1 + the mean over drafting rows of Σ_{j<d} a_j): rows like those that drafted (a probe's
+    few rows stand for all of them; rows that did not draft have survival 0). First maximum wins."""
+    requests, gamma = survivals.shape
+    drafted = survivals[survivals[:, 0] > 0] if gamma else survivals[:0]
+    if not len(drafted):
+        return 0
+    tau = requests * (1.0 + np.concatenate(([0.0], np.cumsum(drafted.mean(axis=0)))))  # τ(d), d = 0..γ
+    theta = tau / np.asarray(step_seconds(requests, requests * (1 + np.arange(gamma + 1))), dtype=np.float64)
+    return int(np.argmax(theta))
+
+
 def admit_top_k(survivals: np.ndarray, k: int) -> np.ndarray:
     """The k highest-ranked candidates of survivals [R, γ] (a > 0 only) -> lengths [R]: each request's
     admitted slots form a prefix because survival never rises along a row and ties go to position."""
@@ -99,25 +126,34 @@ def admit_top_k(survivals: np.ndarray, k: int) -> np.ndarray:
 class AsyncScheduler:
     """Mode `async`: top-K by current survival, K from the unconstrained search of `lag` decisions
     earlier (see the module docstring). One per engine; `decide` once per step. `lag` 0 makes the
-    search retrospective (Appendix A's biased scheduler): only for tests that must catch it."""
+    search retrospective (Appendix A's biased scheduler): only for tests that must catch it.
 
-    def __init__(self, temperatures: tuple[float, ...] | None = None, *, lag: int | None = None) -> None:
+    `padded` (SchedulerConfig.pricing "padded", the default): the target verifies [R, W] rows, so
+    admitting fewer than W drafts in a row saves nothing; the capacity is a depth d* (`best_depth`)
+    and every row admits its candidates up to it. Packed: a token count K*, per drafting row (rows the
+    drafting gate left out have confidence −inf), admitted top-K by current survival."""
+
+    def __init__(self, temperatures: tuple[float, ...] | None = None, *, lag: int | None = None,
+                 padded: bool = False) -> None:
         lag = LAG if lag is None else lag
         if lag < 0:
             raise SchedulerConfigError(f"the capacity lag must be >= 0 decisions, got {lag}")
-        self.temperatures, self.lag = temperatures, lag
-        self._searched: deque[tuple[int, int]] = deque()  # (K*, R) of the last `lag` decisions, oldest first
+        self.temperatures, self.lag, self.padded = temperatures, lag, padded
+        # (K*, drafting rows) or (d*, rows) of the last `lag` decisions, oldest first
+        self._searched: deque[tuple[int, int]] = deque()
 
     def capacity(self, requests: int) -> int | None:
-        """Draft tokens the next `decide` admits for `requests` rows, at most (only candidates with
-        a > 0 are admitted, never more than R·γ), known before that step's drafts exist; None while
+        """Draft tokens the next `decide` admits for `requests` drafting rows, at most (only candidates
+        with a > 0 are admitted, never more than R·γ), known before that step's drafts exist; None while
         warming up (that decision is synchronous) or with lag 0."""
         if self.lag == 0 or len(self._searched) < self.lag or requests <= 0:
             return None
         k, then = self._searched[0]
+        if self.padded:
+            return k * requests
         return (2 * k * requests + then) // (2 * then)  # round(K* · R_t / R_{t-lag}), halves up
 
-    def decide(self, *, confidence_logits: torch.Tensor | None,  # [R, γ]
+    def decide(self, *, confidence_logits: torch.Tensor | None,  # [R, γ]; rows that did not draft: −inf
                step_seconds: StepSeconds | None) -> Decision:
         if confidence_logits is None:
             raise SchedulerConfigError("scheduler mode 'async' needs a drafter with a confidence head")
@@ -128,17 +164,25 @@ class AsyncScheduler:
         if requests == 0:
             return Decision((), 0.0, None, 0)
         a = probs.numpy()
-        searched = best_capacity(a, step_seconds)  # for the decision `lag` steps on
-        capacity = self.capacity(requests)
+        drafting = int(np.isfinite(confidence_logits[:, 0].numpy()).sum()) if gamma else 0
+        if self.padded:  # for the decision `lag` steps on
+            searched = (best_depth(a, step_seconds), requests)
+        else:
+            searched = (best_capacity(a, step_seconds), max(drafting, 1))
+        capacity = self.capacity(requests if self.padded else drafting)
         if self.lag:
-            if capacity is not None:
+            if len(self._searched) >= self.lag:
                 self._searched.popleft()
-            self._searched.append((searched, requests))
+            self._searched.append(searched)
         if capacity is None and self.lag:  # warm-up: Algorithm 1 with its early stop
-            return prefix_schedule(probs, step_seconds)
-        k = searched if capacity is None else min(capacity, requests * gamma)
-        lengths = admit_top_k(a, k)
+            return prefix_schedule(probs, step_seconds, padded=self.padded)
+        if self.padded:
+            depth = searched[0] if capacity is None else capacity // requests
+            lengths = np.minimum(depth, (a > 0).sum(axis=1))
+            tokens = requests * (1 + int(lengths.max(initial=0)))
+        else:
+            lengths = admit_top_k(a, searched[0] if capacity is None else min(capacity, requests * gamma))
+            tokens = requests + int(lengths.sum())
         tau = requests + float(a[np.arange(gamma) < lengths[:, None]].sum())
-        tokens = requests + int(lengths.sum())
         theta = tau / float(np.asarray(step_seconds(requests, np.array([tokens])))[0])
         return Decision(tuple(lengths.tolist()), tau, theta, int((a > 0).sum()))

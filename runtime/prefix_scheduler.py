@@ -44,7 +44,7 @@ class SchedulerConfig:
     fixed_length: int | None = None  # `fixed`: draft tokens per request (None = the block size)
     threshold: float = 0.5  # `threshold`: per-slot σ(c) cut-off
     confidence_temperatures: tuple[float, ...] | None = None  # STS, one per block slot
-    gate_drafting: bool = True  # `dspark`: skip drafting when the cost table says it cannot pay
+    gate_drafting: bool = True  # `dspark`, `async`: skip drafting when the cost table says it cannot pay
     # how verification is priced: "padded" (the runtime's graphs take [R, W] rows, so B = R·W) or
     # "packed" (B = Σ(1 + ℓ_r), the paper's packed verification)
     pricing: str = "padded"
@@ -202,7 +202,7 @@ class StepScheduler:
         if config.mode == "async":
             from .async_scheduler import AsyncScheduler  # imports this module
 
-            self._async = AsyncScheduler(config.confidence_temperatures)
+            self._async = AsyncScheduler(config.confidence_temperatures, padded=config.pricing == "padded")
 
     def capacity(self, requests: int) -> int | None:
         """At most how many draft tokens the next `decide` admits for `requests` rows, known before
