@@ -30,11 +30,6 @@ from .trt_flavours import TENSORRT, TensorRTUnavailable, TrtFlavour, flavour_nam
 TARGET_GRAPHS = (C.TARGET, C.TARGET_STATIC)
 
 
-def import_tensorrt() -> Any:
-    """Full TensorRT (the tensorrt flavour), or TensorRTUnavailable saying what to install."""
-    return import_flavour(TENSORRT)
-
-
 def engine_flavour(engine: EngineDir) -> TrtFlavour:
     return flavour_named(engine.manifest.get("tensorrt", {}).get("flavour", TENSORRT.name))
 
@@ -70,12 +65,13 @@ class PlanRunner:
             raise BackendError(f"{where}: the plan has {self.engine.num_optimization_profiles} optimization "
                                f"profiles, engine.json expects {profiles}: {REBUILD}")
         self._stream = self._cuda(cudart.cudaStreamCreate())
+        self._stream_handle = int(self._stream)  # TensorRT takes the stream as an integer handle
         names = [self.engine.get_tensor_name(i) for i in range(self.engine.num_io_tensors)]
         self._outputs = [n for n in names if self.engine.get_tensor_mode(n) == trt.TensorIOMode.OUTPUT]
         self._cache_path, self._cache = cache_path, None
-        config = None
+        config = self._config = None  # kept: the contexts use it
         if cache_path is not None:
-            config = self.engine.create_runtime_config()
+            config = self._config = self.engine.create_runtime_config()
             self._cache = config.create_runtime_cache()
             if cache_path.is_file():  # TensorRT-RTX refuses a file from another GPU or driver: it is rebuilt
                 self._cache.deserialize(cache_path.read_bytes())
@@ -84,7 +80,7 @@ class PlanRunner:
         for k in range(profiles):
             context = self.engine.create_execution_context() if config is None else \
                 self.engine.create_execution_context(config)
-            context.set_optimization_profile_async(k, self._stream)
+            context.set_optimization_profile_async(k, self._stream_handle)
             self._contexts.append(context)
         self._buffers: dict[str, tuple[int, int]] = {}  # name -> (device pointer, bytes)
 
@@ -118,7 +114,7 @@ class PlanRunner:
             out = np.empty(tuple(context.get_tensor_shape(name)), self._trt.nptype(self.engine.get_tensor_dtype(name)))
             context.set_tensor_address(name, self._buffer(name, out.nbytes))
             results[name] = out
-        if not context.execute_async_v3(self._stream):
+        if not context.execute_async_v3(self._stream_handle):
             raise BackendError("TensorRT could not enqueue the plan (see its log above)")
         for name, out in results.items():
             self._cuda(cudart.cudaMemcpyAsync(out.ctypes.data, self._buffers[name][0], out.nbytes,
@@ -138,7 +134,8 @@ class PlanRunner:
         for pointer, _ in self._buffers.values():
             self._cudart.cudaFree(pointer)
         self._buffers.clear()
-        self._contexts.clear()
+        self._contexts.clear()  # contexts before their engine
+        self._config = self._cache = self.engine = None
         self._cudart.cudaStreamDestroy(self._stream)
 
 
@@ -149,6 +146,7 @@ class TrtBackend(Backend):
         self.flavour = engine_flavour(engine)
         self._specs = {name: specs[name] for name in engine.manifest["graphs"]}
         self._runners: dict[str, PlanRunner] = {}
+        self._runtime: Any | None = None  # TensorRT's runtime must outlive the engines it deserialized
 
     @classmethod
     def for_engine(cls, engine: EngineDir) -> TrtBackend:
@@ -182,7 +180,7 @@ class TrtBackend(Backend):
         if library and self.flavour.plugin_library:
             trt.init_libnvinfer_plugins(logger, "")
             trt.get_plugin_registry().load_library(library)
-        runtime = trt.Runtime(logger)
+        runtime = self._runtime = trt.Runtime(logger)
         for name, entry in self.engine.manifest["graphs"].items():
             path = self.engine.graph_path(name)
             check_size(path, entry["bytes"], REBUILD)
@@ -194,6 +192,7 @@ class TrtBackend(Backend):
         for runner in self._runners.values():
             runner.close()
         self._runners.clear()
+        self._runtime = None
 
     def profile_for(self, graph: str, feeds: Mapping[str, Array]) -> int:
         """The optimization profile a call runs on: its bucket for target graphs, else 0."""

@@ -70,7 +70,7 @@ def write_real_width_pair(root: Path, layers: int, seed: int = 0) -> tuple[Path,
     target_json = {**REAL_WIDTH, "architectures": ["Qwen3ForCausalLM"], "num_hidden_layers": layers,
                    "tie_word_embeddings": True}
     drafter_json = {**REAL_WIDTH, "architectures": ["Qwen3DSparkModel"], "num_hidden_layers": 1, "block_size": 7,
-                    "target_layer_ids": list(range(min(layers, 2))), "num_target_layers": layers,
+                    "target_layer_ids": list(range(max(1, min(layers - 1, 2)))), "num_target_layers": layers,
                     "mask_token_id": REAL_WIDTH["vocab_size"] - 1, "markov_rank": 16, "markov_head_type": "vanilla",
                     "enable_confidence_head": True, "confidence_head_with_markov": True, "tie_word_embeddings": False}
     torch.manual_seed(seed)
