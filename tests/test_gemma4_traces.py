@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 from conftest import golden_path, load_json
 from safetensors.torch import load_file
 
+from dspark.export.parity import session
 from dspark.export.pipeline import export_pair
-from dspark.models import load_pair
+from dspark.models import causal_mask, load_pair
 from dspark.runtime.batch_loop import BatchEngine
 from dspark.runtime.cost_model import StepCostModel
 from dspark.runtime.kv_cache import Capacity
@@ -148,3 +150,46 @@ def test_greedy_equals_target_past_the_window_with_mid_flight_arrivals(pair):
         assert finished[request_id].tokens == expected, f"prompt {i}"
         tree = tree_generate(target, drafter, prompts[i], max_new_tokens=budgets[i], num_nodes=10)
         assert tree.tokens == expected, f"tree, prompt {i}"
+
+
+def test_exported_graphs_reproduce_golden_tensors(exported):
+    """ONNX Runtime on the plain graphs: the single forward (concat and static cache, the latter
+    with hidden garbage slots) and round 0's draft block equal DeepSpec's tensors."""
+    spec = json.loads((exported / "export.json").read_text())["graphs"]
+    g = {k: v.numpy() for k, v in load_file(str(golden_path(SET, "tensors.safetensors"))).items()}
+
+    def run(graph: str, feeds: dict, kv_prefix: str | None = None, slots: int = 0) -> dict:
+        for t in spec[graph]["inputs"]:
+            if kv_prefix and t["name"].startswith(kv_prefix):  # each layer's own dims
+                feeds[t["name"]] = np.random.default_rng(0).standard_normal(
+                    (1, t["dims"][1], slots, t["dims"][3])).astype(np.float32)
+        names = [o["name"] for o in spec[graph]["outputs"]]
+        return dict(zip(names, session(exported / spec[graph]["file"]).run(names, feeds), strict=True))
+
+    ids, n = g["prompt_ids"], g["prompt_ids"].shape[1]
+    mask = causal_mask(1, n, 0).numpy()
+    base = {"input_ids": ids, "position_ids": np.arange(n)[None]}
+    spare = 5
+    for graph, prefix, feeds in (
+        ("target", "past_key_values.", {**base, "attention_mask": mask}),
+        ("target_static", "cache.", {**base, "attention_mask": np.concatenate((np.zeros((1, 1, n, spare), bool), mask),
+                                                                              axis=-1)}),
+    ):
+        out = run(graph, feeds, prefix, 0 if graph == "target" else spare)
+        np.testing.assert_allclose(out["logits"], g["target_logits"], **TOL)
+        np.testing.assert_allclose(out["context_features"], g["context_features"], **TOL)
+    positions, block = g["draft_position_ids"], g["draft_input_ids"].shape[1]
+    out = run("drafter_backbone", {
+        "block_ids": g["draft_input_ids"], "block_position_ids": positions[:, n:],
+        "context_features": g["context_features"], "context_position_ids": positions[:, :n],
+        "attention_mask": np.ones((1, 1, block, n + block), bool)}, "past_context.", 0)
+    np.testing.assert_allclose(out["block_hidden"], g["draft_block_hidden"], **TOL)
+    np.testing.assert_allclose(out["base_logits"], g["draft_base_logits"], **TOL)
+    for i in range(2):
+        np.testing.assert_allclose(out[f"present_context.{i}.key"], g[f"draft_cache_k_layer{i}"], **TOL)
+        np.testing.assert_allclose(out[f"present_context.{i}.value"], g[f"draft_cache_v_layer{i}"], **TOL)
+    heads = run("drafter_head_greedy", {"block_hidden": g["draft_block_hidden"], "base_logits": g["draft_base_logits"],
+                                        "anchor_ids": g["draft_anchor_token"]})
+    np.testing.assert_allclose(heads["logits"], g["draft_corrected_logits"], **TOL)
+    np.testing.assert_array_equal(heads["draft_ids"], g["draft_tokens"])
+    np.testing.assert_allclose(heads["confidence_logits"], g["confidence_logits"], **TOL)
