@@ -147,3 +147,18 @@ def test_router_families_name_each_replica():
     assert {s.labels["replica"]: s.value for s in families["dspark:replica_up"].samples} == {
         "engine-0": 1.0, "engine-1": 0.0}
     assert [s.value for s in families["dspark:router_requests_rejected"].samples if s.name.endswith("_total")] == [3.0]
+
+
+def test_serve_replicas_without_ray_is_one_line_naming_the_extra(tmp_path, monkeypatch):
+    import sys
+
+    from click.testing import CliRunner
+
+    from dspark.tools.cli import main
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # as if the ray extra were not installed
+    monkeypatch.setitem(sys.modules, "ray.serve", None)
+    result = CliRunner().invoke(main, ["serve", "--engine", str(tmp_path), "--replicas", "2"])
+    lines = result.output.strip().splitlines()
+    assert result.exit_code == 2 and len(lines) == 1 and lines[0].startswith("dspark serve: error: "), result.output
+    assert "pip install 'dspark[ray]'" in lines[0] and "Traceback" not in result.output

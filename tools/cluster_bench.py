@@ -31,6 +31,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import click
+import psutil
 
 from .errors import OneLineErrors
 from .serve_bench import PROMPTS, _quantile, running_server, sse_events
@@ -173,6 +174,33 @@ def table(rows: list[dict], key: str, columns: tuple[str, ...]) -> str:
     return "\n".join(lines)
 
 
+def ray_roles() -> dict[str, list]:
+    """The Ray Serve processes by role (Ray titles its workers `ray::ServeReplica:APP:DEPLOYMENT...`)."""
+    import psutil
+
+    roles: dict[str, list] = {}
+    for proc in psutil.process_iter(["cmdline"]):
+        title = " ".join(proc.info["cmdline"] or [])
+        if title.startswith("ray::ProxyActor"):
+            roles.setdefault("proxy", []).append(proc)
+        elif title.startswith("ray::ServeReplica:"):
+            app, deployment = title.split(":")[3:5]
+            role = "ingress" if "ingress" in deployment else "engines"
+            roles.setdefault(f"{app}/{role}", []).append(proc)
+    return roles
+
+
+def cpu_seconds(procs: list) -> float:
+    total = 0.0
+    for proc in procs:
+        try:
+            times = proc.cpu_times()
+            total += times.user + times.system
+        except Exception:  # gone
+            pass
+    return total
+
+
 def start_fleet(engine_dir: str, max_requests: int, max_seq_len: int, max_tokens: int) -> dict[str, str]:
     """Ray (local) and Serve with the two applications; their URLs."""
     import ray
@@ -186,6 +214,7 @@ def start_fleet(engine_dir: str, max_requests: int, max_seq_len: int, max_tokens
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
+    os.environ.setdefault("RAY_worker_niceness", "0")  # Ray runs workers at nice 15: starved beside `dspark serve`
     ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False, configure_logging=False)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     spec = EngineSpec(engine_dir=engine_dir, options=RuntimeOptions(max_requests=max_requests,
@@ -232,14 +261,17 @@ def main(engine_dir, clients, per_client, max_tokens, skew_requests, rate, repea
     urls = start_fleet(engine_dir, 64, max_seq_len, ceiling)
     uniform, skewed = [], []
     try:
-        with running_server(engine_dir, 64, max_seq_len, ceiling) as (serve_url, _):
+        with running_server(engine_dir, 64, max_seq_len, ceiling) as (serve_url, server):
             urls = {"serve": serve_url, **urls}
             systems = list(urls)
             outputs: dict[str, list] = {}
+            roles = {**ray_roles(), "serve": [server], "clients": [psutil.Process()]}
             for repeat in range(repeats):
                 for system in systems[repeat % 3:] + systems[: repeat % 3]:
+                    before = {role: cpu_seconds(procs) for role, procs in roles.items()}
                     outcomes, seconds = closed_loop(urls[system], work, max_tokens)
-                    uniform.append({**uniform_row(system, outcomes, seconds), "repeat": repeat})
+                    used = {role: round(cpu_seconds(procs) - before[role], 2) for role, procs in roles.items()}
+                    uniform.append({**uniform_row(system, outcomes, seconds), "repeat": repeat, "cpu_seconds": used})
                     outputs.setdefault(system, sorted(tuple(o.tokens) for o in outcomes))
                     click.echo(f"uniform {system} repeat {repeat}: {uniform[-1]['tokens_per_second']} tok/s", err=True)
             if len({tuple(v) for v in outputs.values()}) != 1:
@@ -270,6 +302,13 @@ def main(engine_dir, clients, per_client, max_tokens, skew_requests, rate, repea
                f"{LONG_SHARE:.0%} long ({LONG_PROMPT} prompt, {LONG_NEW} new), the rest short ({SHORT_NEW} new)")
     click.echo(table(skew_summary, "policy", ("tokens_per_second", "p50_ms", "p99_ms", "short_p99_ms",
                                               "long_p99_ms")))
+    click.echo("\np99 ms by repeat (the same arrivals in each repeat): " + "; ".join(
+        f"{policy} " + " ".join(f"{r['p99_ms']:g}" for r in skewed if r["policy"] == policy) for policy in POLICIES))
+    click.echo("\nCPU seconds by process during each uniform phase (median over repeats):")
+    for system in dict.fromkeys(r["system"] for r in uniform):
+        rows = [r["cpu_seconds"] for r in uniform if r["system"] == system]
+        spent = {role: statistics.median(row[role] for row in rows) for role in rows[0]}
+        click.echo(f"  {system}: " + ", ".join(f"{role} {value:.1f}" for role, value in spent.items() if value >= 0.1))
     if json_out is not None:
         json_out.write_text(json.dumps({"load_before": load_before, "load_after": load_after, "rate": per_second,
                                         "uniform": uniform, "skewed": skewed, "uniform_summary": uniform_summary,

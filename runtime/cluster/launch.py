@@ -4,6 +4,7 @@ and wait until interrupted; then take the application down (and the local Ray wi
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable
 
@@ -28,12 +29,14 @@ def serve_replicas(spec: EngineSpec, *, replicas: int, policy: str, config: Serv
                    announce: Callable[[str], None] = print) -> None:
     """Run the fleet until Ctrl-C. `address`: an existing Ray cluster ("auto", "ray://..."); None starts a
     local one sized to this machine."""
+    serve = import_serve()
     import ray
 
-    serve = import_serve()
     from .deploy import build_app
 
     local = address is None
+    if local:  # Ray starts its workers at nice 15; on a machine shared with other work the engines would starve
+        os.environ.setdefault("RAY_worker_niceness", "0")
     ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING)
     try:
         serve.start(http_options={"host": host, "port": port})
