@@ -191,3 +191,27 @@ class BoundCall:
 
 def as_torch(value: Array) -> torch.Tensor:
     return value if isinstance(value, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(value))
+
+
+class WrappedBackend(Backend):
+    """A backend in front of another (`inner`): same graphs, every call passed through. Subclasses
+    add what they are for (recording, a virtual clock, events) around `_run`. Opening
+    it opens `inner`; closing it leaves `inner` to its owner unless `owns_inner`."""
+
+    def __init__(self, inner: Backend, *, owns_inner: bool = False) -> None:
+        super().__init__()
+        self.inner, self.owns_inner = inner, owns_inner
+
+    @property
+    def specs(self) -> dict[str, GraphSpec]:
+        return self.inner.specs
+
+    def _open(self) -> None:
+        self.inner.open()
+
+    def _close(self) -> None:
+        if self.owns_inner:
+            self.inner.close()
+
+    def _run(self, graph: str, feeds: Mapping[str, Array]) -> dict[str, Array]:
+        return self.inner.run(graph, feeds)

@@ -15,7 +15,7 @@ from dspark.export.engine_dir import ENGINE_JSON, FORMAT_VERSION, KIND, EngineDi
 from dspark.models import load_pair
 from dspark.runtime import backend_registry
 from dspark.runtime.api import Runtime
-from dspark.runtime.backend import Backend, BackendError, BackendUnavailable
+from dspark.runtime.backend import BackendError, BackendUnavailable, WrappedBackend
 from dspark.runtime.reference_decoder import autoregressive_generate
 from dspark.runtime.torch_backend import TorchBackend
 
@@ -52,23 +52,18 @@ def tensorrt_engine(root, export_dir):
     return root
 
 
-class FakeTensorRT(Backend):
+class FakeTensorRT(WrappedBackend):
     """Stands in for the TensorRT runner: records what it was opened on, runs the PyTorch graphs."""
 
     def __init__(self, engine: EngineDir) -> None:
-        super().__init__()
-        self.engine = engine
         target, drafter = load_pair(golden_path(SET, "target"), golden_path(SET, "drafter"))
-        self.inner = TorchBackend(target, drafter)
+        super().__init__(TorchBackend(target, drafter))
+        self.engine = engine
         self.events: list[str] = []
-
-    @property
-    def specs(self):
-        return self.inner.specs
 
     def _open(self) -> None:
         self.events.append("open")
-        self.inner.open()
+        super()._open()
 
     def _close(self) -> None:
         self.events.append("close")

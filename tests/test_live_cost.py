@@ -15,7 +15,7 @@ import pytest
 from dspark.export.cost_table import CostTable
 from dspark.models import load_pair
 from dspark.runtime.api import Runtime, RuntimeOptions
-from dspark.runtime.backend import Array, Backend
+from dspark.runtime.backend import Array, Backend, WrappedBackend
 from dspark.runtime.batch_loop import BatchEngine
 from dspark.runtime.cost_model import StepCostModel
 from dspark.runtime.drafting_gate import SplitStepCost
@@ -318,36 +318,19 @@ def nominal_seconds(graph: str, feeds: Mapping[str, Array]) -> float:
     return 2e-3 + 2e-5 * int(np.prod(feeds["input_ids"].shape))
 
 
-class SlowableDevice(Backend):
+class SlowableDevice(WrappedBackend):
     """Runs the demo pair for real and charges each call `nominal_seconds` × the slowdown of its
     graph family ("drafter", "target") on the virtual clock."""
 
     def __init__(self, inner: Backend, clock: VirtualClock) -> None:
-        super().__init__()
-        self.inner, self.clock, self.check_inputs = inner, clock, False
+        super().__init__(inner, owns_inner=True)
+        self.clock, self.check_inputs = clock, False
         self.slowdown: dict[str, float] = {}
 
-    @property
-    def specs(self):
-        return self.inner.specs
-
-    def _open(self) -> None:
-        self.inner.open()
-
-    def _close(self) -> None:
-        self.inner.close()
-
-    def _charge(self, graph: str, feeds: Mapping[str, Array]) -> None:
+    def _run(self, graph, feeds):
         family = "drafter" if graph.startswith("drafter") else "target"
         self.clock.now += nominal_seconds(graph, feeds) * self.slowdown.get(family, 1.0)
-
-    def _run(self, graph, feeds):
-        self._charge(graph, feeds)
         return self.inner.run(graph, feeds)
-
-    def _run_into(self, graph, feeds, outputs) -> None:
-        self._charge(graph, feeds)
-        self.inner.run_into(graph, feeds, outputs)
 
 
 def device_table() -> CostTable:

@@ -17,33 +17,22 @@ from typing import Any
 import numpy as np
 
 from dspark.runtime.api import Runtime, RuntimeOptions
-from dspark.runtime.backend import Array, Backend, BoundCall, as_torch
+from dspark.runtime.backend import Array, Backend, BoundCall, WrappedBackend, as_torch
 from dspark.runtime.prefix_scheduler import SchedulerConfig
 
 # an output of a bound call: the name of the feed it aliases (a buffer updated in place), or its shape and dtype
 OutputSlot = tuple[str | None, tuple[int, ...], np.dtype]
 
 
-class RecordingBackend(Backend):
+class RecordingBackend(WrappedBackend):
     """Passes every call to `inner` and, while `recording`, keeps a copy of its feeds. Bound calls
     (`bind`) are recorded as bound calls, with which outputs alias which feeds, so the replay
     makes them the way the engine does."""
 
     def __init__(self, inner: Backend) -> None:
-        super().__init__()
-        self.inner = inner
+        super().__init__(inner)  # the inner backend belongs to its runtime, which closes it
         self.calls: list[tuple[str, dict[str, np.ndarray], dict[str, OutputSlot] | None]] = []
         self.recording = False
-
-    @property
-    def specs(self):
-        return self.inner.specs
-
-    def _open(self) -> None:
-        self.inner.open()
-
-    def _close(self) -> None:
-        """The inner backend belongs to its runtime, which closes it."""
 
     def _run(self, graph: str, feeds: Mapping[str, Array]) -> dict[str, Array]:
         if self.recording:
