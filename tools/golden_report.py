@@ -1,9 +1,10 @@
 """Compare dspark's models and reference decoder with DeepSpec's golden fixtures.
 
-    python -m dspark.tools.golden_report [--per-tensor] GOLDEN_DIR
+    python -m dspark.tools.golden_report [--per-tensor] [--onnx] GOLDEN_DIR
 
 prints, per golden drafter, the largest |difference| of every single-forward tensor (with
---per-tensor: of each golden tensor, hidden states and training forward included) and whether
+--per-tensor: of each golden tensor, hidden states and training forward included; with --onnx:
+also of the exported plain graphs run on ONNX Runtime) and whether
 every greedy trace (tokens, per-round accepted and proposal lengths) is reproduced. The test
 suite asserts the same quantities (tests/test_golden_models.py, tests/test_golden_traces.py).
 """
@@ -13,8 +14,10 @@ from __future__ import annotations
 import json
 import os
 import sys
+import tempfile
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors.torch import load_file
 
@@ -101,6 +104,49 @@ def extra_tensors(target: TargetModel, drafter: DSparkDrafter, golden: dict[str,
     return pairs
 
 
+def onnx_deviations(set_dir: Path, drafter_dir: Path, golden: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Export the pair (plain graphs, into a temporary folder) and run ONNX Runtime on the golden
+    prompt and round 0's block: {graph/output: largest |diff| from DeepSpec's tensor}."""
+    from dspark.export.parity import session  # onnxruntime only when asked for
+    from dspark.export.pipeline import export_pair
+
+    g = {k: v.numpy() for k, v in golden.items()}
+    ids, n = g["prompt_ids"], g["prompt_ids"].shape[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp)
+        graphs = export_pair(set_dir / "target", drafter_dir, out, check=False, flavours=("plain",))["graphs"]
+
+        def run(graph: str, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+            for t in graphs[graph]["inputs"]:  # empty caches, each with its layer's dims
+                if t["name"] not in feeds:
+                    feeds[t["name"]] = np.zeros((1, t["dims"][1], 0, t["dims"][3]), np.float32)
+            names = [o["name"] for o in graphs[graph]["outputs"]]
+            return dict(zip(names, session(out / graphs[graph]["file"]).run(names, feeds), strict=True))
+
+        res = {"target/" + k: v for k, v in run("target", {
+            "input_ids": ids, "position_ids": np.arange(n)[None],
+            "attention_mask": np.tril(np.ones((n, n), bool))[None, None]}).items()}
+        block = g["draft_input_ids"].shape[1]
+        res.update({"drafter_backbone/" + k: v for k, v in run("drafter_backbone", {
+            "block_ids": g["draft_input_ids"], "block_position_ids": g["draft_position_ids"][:, n:],
+            "context_features": g["context_features"], "context_position_ids": g["draft_position_ids"][:, :n],
+            "attention_mask": np.ones((1, 1, block, n + block), bool)}).items()})
+        if "drafter_head_greedy" in graphs:
+            res.update({"drafter_head_greedy/" + k: v for k, v in run("drafter_head_greedy", {
+                "block_hidden": g["draft_block_hidden"], "base_logits": g["draft_base_logits"],
+                "anchor_ids": g["draft_anchor_token"]}).items()})
+    reference = {"target/logits": "target_logits", "target/context_features": "context_features",
+                 "drafter_backbone/block_hidden": "draft_block_hidden",
+                 "drafter_backbone/base_logits": "draft_base_logits",
+                 "drafter_head_greedy/logits": "draft_corrected_logits",
+                 "drafter_head_greedy/draft_ids": "draft_tokens",
+                 "drafter_head_greedy/confidence_logits": "confidence_logits"}
+    reference.update({f"drafter_backbone/present_context.{i}.{kind}": f"draft_cache_{kind[0]}_layer{i}"
+                      for i in range(8) for kind in ("key", "value")})
+    return {name: float(np.abs(res[name].astype(np.float64) - g[ref]).max())
+            for name, ref in reference.items() if name in res and ref in g}
+
+
 def trace_matches(target: TargetModel, drafter: DSparkDrafter, trace: dict) -> bool:
     """Every sample's tokens and per-round accepted/proposal lengths equal DeepSpec's."""
     for sample in trace["samples"]:
@@ -116,8 +162,9 @@ def trace_matches(target: TargetModel, drafter: DSparkDrafter, trace: dict) -> b
     return True
 
 
-def report(golden_dir: Path, per_tensor: bool = False) -> None:
-    """`per_tensor`: every golden tensor's largest |diff|, the training forward included."""
+def report(golden_dir: Path, per_tensor: bool = False, onnx: bool = False) -> None:
+    """`per_tensor`: every golden tensor's largest |diff|, the training forward included. `onnx`:
+    also the exported graphs' on ONNX Runtime."""
     for set_dir in sorted(p for p in golden_dir.iterdir() if (p / "target").is_dir()):
         for drafter_dir in sorted(p for p in set_dir.iterdir() if p.name.startswith("drafter")):
             stem = drafter_dir.name.removeprefix("drafter")
@@ -131,14 +178,22 @@ def report(golden_dir: Path, per_tensor: bool = False) -> None:
             print(f"{set_dir.name}/{drafter_dir.name}: max |diff| over {len(tensors)} tensors = {worst:.2e}")
             for name, (ours, ref) in tensors.items() if per_tensor else ():
                 print(f"  {name}: {(ours.float() - ref.float()).abs().max().item():.2e}")
+            if onnx:
+                deviations = onnx_deviations(set_dir, drafter_dir, golden)
+                print(f"  ONNX Runtime, plain graphs: max |diff| over {len(deviations)} outputs = "
+                      f"{max(deviations.values()):.2e}")
+                for name, value in deviations.items() if per_tensor else ():
+                    print(f"    {name}: {value:.2e}")
             for trace_file in sorted(set_dir.glob(f"traces{stem}*.json")):
                 ok = trace_matches(target, drafter, json.loads(trace_file.read_text()))
                 print(f"  {trace_file.name}: {'identical' if ok else 'DIFFERENT'}")
 
 
 if __name__ == "__main__":
-    args = [a for a in sys.argv[1:] if a != "--per-tensor"]
+    flags = {"--per-tensor", "--onnx"}
+    args = [a for a in sys.argv[1:] if a not in flags]
     folder = args[0] if args else os.environ.get("DSPARK_GOLDEN")
     if not folder:
-        sys.exit("usage: python -m dspark.tools.golden_report [--per-tensor] GOLDEN_DIR (or set DSPARK_GOLDEN)")
-    report(Path(folder), per_tensor="--per-tensor" in sys.argv[1:])
+        sys.exit("usage: python -m dspark.tools.golden_report [--per-tensor] [--onnx] GOLDEN_DIR "
+                 "(or set DSPARK_GOLDEN)")
+    report(Path(folder), per_tensor="--per-tensor" in sys.argv[1:], onnx="--onnx" in sys.argv[1:])
