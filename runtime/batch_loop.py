@@ -46,6 +46,7 @@ from .sampling import sample_rows
 from .stats import EngineStats, RequestResult, StepRecord
 from .step_batch import StepBatch
 from .target_runner import TargetRunner, kv_mode_for
+from .tree_step import TreeStepper
 
 
 @dataclass
@@ -103,6 +104,7 @@ class BatchEngine:
         self.drafter_kv = SlotCache(info.drafter_cache, slots, length)
         self.target = TargetRunner(backend, info, self.target_kv, self.kv_mode, max_width=info.block_size + 1)
         self.drafter = DrafterRunner(backend, info, self.drafter_kv)
+        self.trees = TreeStepper(self) if scheduler.drafting == "tree" else None  # draft trees (tree_step)
         self.queue: deque[_Active] = deque()
         self.active: list[_Active] = []  # row r of both caches belongs to active[r]
         self.finished: dict[int, RequestResult] = {}  # until handed off by take_finished / take_result
@@ -195,6 +197,12 @@ class BatchEngine:
         if not self.active:
             self._step += 1
             return None
+        if self.trees is not None:  # draft trees: propose, verify and commit over tree nodes (tree_step)
+            record = self.trees.step(len(new), seconds, begin)
+            self.stats.record(record)
+            self._retire()
+            self._step += 1
+            return record
         rows, active = len(self.active), self.active
         anchors = np.fromiter((a.anchor for a in active), np.int64, rows)
         starts = np.fromiter((a.start for a in active), np.int64, rows)

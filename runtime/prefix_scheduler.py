@@ -27,6 +27,7 @@ import torch
 
 MODES = ("dspark", "async", "fixed", "threshold", "off")
 PRICING = ("padded", "packed")
+DRAFTING = ("chain", "tree")
 
 # (requests R, verified tokens B [n]) -> seconds per step [n], elementwise, as the cost models compute it
 StepSeconds = Callable[[int, np.ndarray], np.ndarray]
@@ -48,6 +49,10 @@ class SchedulerConfig:
     # how verification is priced: "padded" (the runtime's graphs take [R, W] rows, so B = R·W) or
     # "packed" (B = Σ(1 + ℓ_r), the paper's packed verification)
     pricing: str = "padded"
+    # "tree": draft trees over all requests (runtime/tree_step.py; modes dspark and fixed)
+    drafting: str = "chain"
+    tree_nodes: int = 16  # tree drafting: draft nodes per request at most (`fixed`: exactly, where the block allows)
+    tree_top_k: int = 4  # tree drafting: children offered per expanded node
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -60,6 +65,13 @@ class SchedulerConfig:
             raise SchedulerConfigError(f"pricing '{self.pricing}' is unknown; choose one of {PRICING}")
         if self.confidence_temperatures is not None and min(self.confidence_temperatures) <= 0:
             raise SchedulerConfigError("confidence temperatures must be > 0")
+        if self.drafting not in DRAFTING:
+            raise SchedulerConfigError(f"drafting '{self.drafting}' is unknown; choose one of {DRAFTING}")
+        if self.drafting == "tree" and self.mode not in ("dspark", "fixed"):
+            raise SchedulerConfigError(f"tree drafting runs with mode 'dspark' or 'fixed', not '{self.mode}'")
+        if self.tree_nodes < 0 or self.tree_top_k < 1:
+            raise SchedulerConfigError(f"tree_nodes must be >= 0 and tree_top_k >= 1, got {self.tree_nodes}, "
+                                       f"{self.tree_top_k}")
 
     @property
     def needs_drafts(self) -> bool:
