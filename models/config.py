@@ -88,10 +88,7 @@ class AttentionLayout:
 
 @dataclass(frozen=True)
 class DecoderConfig:
-    """Fields shared by the target decoder and the drafter's layers.
-
-    The defaults are Qwen3's; the fields after `qk_norm` are the Gemma-4 deltas.
-    """
+    """Fields shared by the target decoder and the drafter's layers (defaults: Qwen3's)."""
 
     vocab_size: int
     hidden_size: int
@@ -104,6 +101,7 @@ class DecoderConfig:
     rope_theta: float = 10000.0
     attention_bias: bool = False
     qk_norm: bool = True
+    # Gemma-4's deltas:
     hidden_act: str = "silu"  # or "gelu_pytorch_tanh"
     sandwich_norm: bool = False  # norms before and after attention and MLP, then a per-layer scalar
     value_norm: bool = False  # a weightless RMSNorm on V per head
@@ -171,11 +169,32 @@ def _decoder_fields(data: dict[str, Any], source: str, *, drafter: bool = False)
 
 
 _GEMMA4_LAYER_TYPES = ("sliding_attention", "full_attention")
+_GEMMA4_LAYER_OVERRIDES = {"head_dim", "num_key_value_heads"}
+
+
+def _gemma4_layer_overrides(data: dict[str, Any], source: str, layers: int, all_global: bool
+                            ) -> dict[int, dict[str, int]] | None:
+    """`per_layer_config` (how newer transformers save the global layers' dims) by layer index, or
+    None. A drafter's is its target's (target indices): all must agree, and give every draft layer."""
+    raw = data.get("per_layer_config")
+    if not raw:
+        return None
+    if not isinstance(raw, dict) or not all(isinstance(v, dict) and v.keys() <= _GEMMA4_LAYER_OVERRIDES
+                                            for v in raw.values()):
+        raise CheckpointError(f"{source}: 'per_layer_config' {raw} is not supported (only layer index -> "
+                              f"{sorted(_GEMMA4_LAYER_OVERRIDES)} overrides)")
+    by_layer = {int(k): v for k, v in raw.items()}
+    if not all_global:
+        return by_layer
+    distinct = {tuple(sorted(v.items())) for v in by_layer.values()}
+    if len(distinct) != 1:
+        raise CheckpointError(f"{source}: per_layer_config gives the global layers different dims {sorted(distinct)}")
+    shared = dict(distinct.pop())
+    return {i: shared for i in range(layers)}
 
 
 def _gemma4_text_config(data: dict[str, Any], source: str) -> dict[str, Any]:
-    """The text decoder's config of a Gemma-4 checkpoint (`text_config` of a
-    Gemma4ForConditionalGeneration); vision and audio towers are refused."""
+    """A Gemma4ForConditionalGeneration's `text_config`; vision and audio towers are refused."""
     if data.get("model_type") == "gemma4_text":
         return data
     towers = [name for name in ("vision_config", "audio_config") if data.get(name)]
@@ -216,17 +235,22 @@ def _gemma4_decoder_fields(data: dict[str, Any], source: str, *, all_global: boo
     if not isinstance(types, list) or len(types) != layers or not set(types) <= set(_GEMMA4_LAYER_TYPES):
         raise CheckpointError(f"{source}: 'layer_types' must list {layers} entries from {_GEMMA4_LAYER_TYPES}")
     rope = data.get("rope_parameters") or {}
+    overrides = _gemma4_layer_overrides(data, source, layers, all_global)
 
-    def layout(kind: str) -> AttentionLayout:
+    def layout(i: int, kind: str) -> AttentionLayout:
         params = rope.get(kind) or {}
         rope_type = params.get("rope_type", "default")
         if rope_type not in ("default", "proportional") or float(params.get("factor", 1.0)) != 1.0:
             raise CheckpointError(f"{source}: {kind} rope {params} is not supported "
                                   "(only 'default' and unscaled 'proportional')")
         is_global = kind == "full_attention"
-        dim = int(data.get("global_head_dim") or head_dim) if is_global else head_dim
         k_eq_v = is_global and bool(data.get("attention_k_eq_v"))
-        kvh = int(data.get("num_global_key_value_heads") or kv_heads) if k_eq_v else kv_heads
+        if overrides is not None:  # newer transformers save the global layers' dims per layer
+            dim = int(overrides.get(i, {}).get("head_dim", head_dim))
+            kvh = int(overrides.get(i, {}).get("num_key_value_heads", kv_heads))
+        else:  # as transformers 5.10: global_head_dim defaults to 512 when absent, null = head_dim
+            dim = int(data.get("global_head_dim", 512) or head_dim) if is_global else head_dim
+            kvh = int(data.get("num_global_key_value_heads") or kv_heads) if k_eq_v else kv_heads
         if heads % kvh or dim % 2:
             raise CheckpointError(f"{source}: {kind}: {heads} heads over {kvh} KV heads of dim {dim} do not fit")
         fraction = float(params.get("partial_rotary_factor", 1.0)) if rope_type == "proportional" else 1.0
@@ -237,7 +261,7 @@ def _gemma4_decoder_fields(data: dict[str, Any], source: str, *, all_global: boo
             keys_are_values=k_eq_v,
         )
 
-    layouts = tuple(layout(kind) for kind in types)
+    layouts = tuple(layout(i, kind) for i, kind in enumerate(types))
     first = layouts[0]
     cap = data.get("final_logit_softcapping")
     return {
