@@ -34,6 +34,7 @@ from .backend_registry import open_backend
 from .batch_loop import BatchEngine
 from .cost_model import StepCost
 from .kv_cache import Capacity
+from .kv_tiers import HostTier
 from .live_cost import LiveStepCost
 from .model_info import ModelInfo
 from .monitor import Monitor
@@ -64,6 +65,7 @@ class RuntimeOptions:
     max_tokens: int | None = None  # None = max_requests * max_seq_len
     profile_requests: tuple[int, ...] = (1, 4, 16)
     live_cost: bool = True  # each engine keeps the cost model current from its timed steps (LiveStepCost)
+    host_kv_tokens: int = 0  # KV positions a host tier holds for requests swapped out under slot pressure (kv_tiers)
 
 
 class Runtime:
@@ -139,7 +141,8 @@ class Runtime:
         cost_model = LiveStepCost(self.cost_model) if o.live_cost and self.cost_model else self.cost_model
         return BatchEngine(self.backend, self.info, capacity=capacity, scheduler=o.scheduler,
                            cost_model=cost_model, monitor=self.monitor, kv_mode=o.kv_mode,
-                           step_history=step_history)
+                           step_history=step_history,
+                           host_tier=HostTier(o.host_kv_tokens) if o.host_kv_tokens else None)
 
     @contextmanager
     def _claimed_engine(self) -> Iterator[BatchEngine]:

@@ -35,6 +35,7 @@ from .cost_model import StepCost, StepCostModel
 from .drafter_runner import DrafterRunner
 from .drafting_gate import DraftingGate, SplitStepCost
 from .kv_cache import Admission, Capacity, SlotCache
+from .kv_tiers import HostTier
 from .model_info import ModelInfo
 from .monitor import Monitor
 from .prefix_scheduler import Decision, SchedulerConfig, StepScheduler
@@ -87,6 +88,7 @@ class BatchEngine:
         monitor: Monitor | None = None,
         kv_mode: str | None = None,
         step_history: int | None = 1024,
+        host_tier: HostTier | None = None,
     ) -> None:
         self.kv_mode = kv_mode_for(backend, kv_mode)
         self.backend, self.info, self.scheduler = backend.open(), info, scheduler  # its owner closes it
@@ -108,6 +110,7 @@ class BatchEngine:
         self.queue: deque[_Active] = deque()
         self.active: list[_Active] = []  # row r of both caches belongs to active[r]
         self.finished: dict[int, RequestResult] = {}  # until handed off by take_finished / take_result
+        self.tiers = host_tier  # where running requests' KV goes under slot pressure (kv_tiers); None: they wait
         self.stats = EngineStats(history=step_history)
         self._ids = itertools.count()
         self._step = 0
@@ -150,7 +153,8 @@ class BatchEngine:
         """Committed tokens of a request (finished, active, or [] while queued)."""
         if request_id in self.finished:
             return self.finished[request_id].tokens
-        active = next((a for a in self.active if a.result.request_id == request_id), None)
+        swapped = self.tiers.requests() if self.tiers is not None else []
+        active = next((a for a in [*self.active, *swapped] if a.result.request_id == request_id), None)
         return [] if active is None else active.result.tokens[: active.max_new_tokens]
 
     @property
@@ -159,7 +163,7 @@ class BatchEngine:
 
     @property
     def idle(self) -> bool:
-        return not self.queue and not self.active
+        return not self.queue and not self.active and not (self.tiers is not None and self.tiers.swapped)
 
     def take_result(self, request_id: int) -> RequestResult | None:
         """The finished result of one request, handed off (the engine forgets it), or None."""
@@ -189,6 +193,8 @@ class BatchEngine:
     def step(self) -> StepRecord | None:
         seconds: dict[str, float] = {}
         begin = time.perf_counter()
+        if self.tiers is not None:
+            self.tiers.rebalance(self)
         new = self._admit()
         if new:
             self._prefill(new)
@@ -368,6 +374,10 @@ class BatchEngine:
         a.result.finish_reason, a.result.finished_step = reason, self._step
         self.finished[a.result.request_id] = a.result
         self.admission.release(a.result.request_id)
+        self.vacate(row)
+
+    def vacate(self, row: int) -> None:
+        """Active row `row` leaves the caches; the last active row moves into it."""
         last = len(self.active) - 1
         if row != last:
             self.target_kv.move(last, row)
@@ -380,9 +390,11 @@ class BatchEngine:
     def cancel(self, request_id: int) -> bool:
         """End a queued or running request now (between steps), finish reason "cancelled", keeping
         the tokens committed so far; its slot is free for the next step. False if it is not here."""
-        for i, a in enumerate(self.queue):
+        swapped = self.tiers.take(request_id) if self.tiers is not None else None
+        for i, a in enumerate(self.queue if swapped is None else [swapped]):
             if a.result.request_id == request_id:
-                del self.queue[i]
+                if swapped is None:
+                    del self.queue[i]
                 a.result.finish_reason, a.result.finished_step = "cancelled", self._step
                 self.finished[request_id] = a.result
                 return True

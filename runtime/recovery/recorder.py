@@ -12,9 +12,10 @@ from ..stats import RequestResult
 from .snapshot import Finished, Progress, SnapshotStore
 
 
-def rng_state(generator: torch.Generator | None) -> bytes | None:
-    """A sampler's full state as bytes (None for a greedy request, which has no sampler)."""
-    return None if generator is None else generator.get_state().numpy().tobytes()
+def rng_state(generator: torch.Generator | None) -> memoryview | None:
+    """A sampler's full state, its bytes viewed in place (get_state makes a fresh copy; copying it again to
+    `bytes` cost more than getting it, at 5 KB a request a step); None for a greedy request."""
+    return None if generator is None else memoryview(generator.get_state().numpy())
 
 
 class StepRecorder:

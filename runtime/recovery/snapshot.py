@@ -42,7 +42,7 @@ class Progress:
     tokens: list[int]
     acceptance_lengths: list[int]  # rounds since the last record
     proposal_lengths: list[int]
-    rng_state: bytes | None  # the sampler's state after the step (None: greedy)
+    rng_state: bytes | memoryview | None  # the sampler's state after the step (None: greedy)
 
 
 @dataclass(frozen=True)
@@ -62,7 +62,7 @@ class RequestSnapshot:
     tokens: list[int] = field(default_factory=list)
     acceptance_lengths: list[int] = field(default_factory=list)
     proposal_lengths: list[int] = field(default_factory=list)
-    rng_state: bytes | None = None
+    rng_state: bytes | memoryview | None = None
     step: int = -1  # the engine step of the last record (-1: never stepped)
     finish_reason: str | None = None
     broken: bool = False  # a record of it was lost: it continues from the last whole one

@@ -1,0 +1,145 @@
+"""Request snapshots and the journal: frames that survive a torn tail and a damaged middle, the journal
+store's records and compaction, and an engine resumed from snapshots that gives exactly the uninterrupted
+run's tokens (greedy and seeded sampling, Algorithm 1 over the same batch)."""
+
+from __future__ import annotations
+
+import pytest
+from test_serving_support import tiny_runtime
+
+from dspark.runtime.recovery.framing import frame, scan
+from dspark.runtime.recovery.journal import JournalError, JournalStore
+from dspark.runtime.recovery.recorder import StepRecorder
+from dspark.runtime.recovery.snapshot import Finished, MemoryStore, Progress, RequestSnapshot, RequestSpec
+from dspark.runtime.requests import RequestError
+
+REQUESTS = [([5, 6, 7, 8], 0.0, 0), ([9, 10, 11], 1.0, 3), ([20, 21, 22, 23, 24], 0.8, 5), ([1, 2], 1.2, 9),
+            ([30, 31, 32], 0.0, 1)]
+MAX_NEW = 40
+
+
+def test_frames_keep_every_whole_record_around_damage():
+    payloads = [bytes([i]) * (10 + i) for i in range(6)]
+    frames = [frame(p) for p in payloads]
+    data = bytearray(b"".join(frames))
+    middle = sum(len(f) for f in frames[:2]) + 14  # a payload byte of record 2
+    data[middle] ^= 0xFF
+    torn = bytes(data[:-5])  # the last record cut short
+    found = scan(torn)
+    assert found.payloads == [payloads[i] for i in (0, 1, 3, 4)]
+    assert [d.reason for d in found.damage] == ["corrupt", "truncated"]
+    assert found.damage[0].offset == sum(len(f) for f in frames[:2]) and found.damage[0].length == len(frames[2])
+    assert scan(b"".join(frames)).damage == []
+
+
+def _spec(i: int, temperature: float = 1.0) -> RequestSpec:
+    return RequestSpec(f"req-{i}", [1, 2, 3], 50, temperature, i, [0], ["\n\n"], {"body": "{}"})
+
+
+def _write(directory, steps: int = 6, **options) -> MemoryStore:
+    """The same records into a journal and into a MemoryStore (the expected state)."""
+    journal, expected = JournalStore(directory, **options), MemoryStore()
+    journal.recover()
+    for store in (journal, expected):
+        for i in range(3):
+            store.submitted(_spec(i, temperature=0.0 if i == 2 else 1.0))
+        for step in range(steps):
+            progress = [Progress(f"req-{i}", 2 * step, [step, i], [2], [3], None if i == 2 else bytes([step, i]) * 9)
+                        for i in range(3)]
+            store.stepped(step, progress, [Finished("req-1", list(range(2 * step + 2)), "stop", [2], [3])]
+                          if step == steps - 2 else [])
+    journal.close()
+    return expected
+
+
+def _state(recovered):
+    return ([(s.spec, s.tokens, s.rng_state, s.step, s.acceptance_lengths) for s in recovered.running],
+            [(s.spec.key, s.tokens, s.finish_reason) for s in recovered.finished])
+
+
+def test_journal_recovers_what_was_recorded_and_compacts(tmp_path):
+    expected = _write(tmp_path, segment_bytes=600)  # small segments: compaction runs while recording
+    journal = JournalStore(tmp_path)
+    recovered = journal.recover()
+    assert _state(recovered) == _state(expected.recover()) and not recovered.problems
+    assert [s.spec.key for s in recovered.running] == ["req-0", "req-2"]
+    assert len(list(tmp_path.glob("journal-*.dsj"))) == 1
+    with pytest.raises(JournalError, match="in use by another server"):
+        JournalStore(tmp_path)
+    journal.close()
+    again = JournalStore(tmp_path)
+    assert _state(again.recover()) == _state(expected.recover())  # a compacted journal reads back the same
+    again.close()
+
+
+def test_corrupt_journal_keeps_every_whole_record(tmp_path):
+    _write(tmp_path, fsync="step")
+    (segment,) = tmp_path.glob("journal-*.dsj")
+    data = bytearray(segment.read_bytes())
+    data[data.index(b'"s":3') + 2] ^= 0x01  # step 3's record: its checksum no longer holds
+    segment.write_bytes(bytes(data[:-7]))  # and the last record torn
+    journal = JournalStore(tmp_path)
+    recovered = journal.recover()
+    journal.close()
+    damage = [p for p in recovered.problems if p.startswith("journal ")]
+    assert len(damage) == 2 and "is corrupt" in damage[0] and "torn last write" in damage[1]
+    running = {s.spec.key: s for s in recovered.running}
+    assert set(running) == {"req-0", "req-2"} and [s.spec.key for s in recovered.finished] == ["req-1"]
+    for key in running:  # steps 0-2 whole, step 3 lost: each resumes after step 2, at step 2's RNG state
+        assert running[key].tokens == [t for step in range(3) for t in (step, int(key[-1]))]
+        assert running[key].step == 2 and any(f"request {key}: a step record is missing" in p
+                                              for p in recovered.problems)
+    assert running["req-0"].rng_state == bytes([2, 0]) * 9
+    assert list(tmp_path.glob("*.corrupt")), "the damaged segment is kept for inspection"
+
+
+def test_bad_snapshots_are_refused():
+    spec = _spec(0)
+    with pytest.raises(RequestError, match="outside the vocabulary"):
+        from dspark.runtime.recovery.resume import resumed_tokens
+        resumed_tokens(RequestSnapshot(spec, [1, 10**6]), 512, 50)
+    from dspark.runtime.recovery.resume import resumed_generator
+    with pytest.raises(RequestError, match="unusable RNG state"):
+        resumed_generator(RequestSnapshot(spec, [1], rng_state=b"\x00" * 7), 1.0, 0)
+
+
+@pytest.fixture(scope="module")
+def runtime(tmp_path_factory):
+    with tiny_runtime(tmp_path_factory.mktemp("journal")) as rt:
+        yield rt
+
+
+def _run(runtime, kill_after: int | None) -> dict[str, tuple[list[int], list[int]]]:
+    """Every request's (tokens, acceptance lengths); with `kill_after`, the engine is dropped after that many
+    steps and a fresh one continues from the store's snapshots alone."""
+    engine, store = runtime.engine(), MemoryStore()
+    recorder = StepRecorder(store)
+    keys = {}
+    for i, (prompt, temperature, seed) in enumerate(REQUESTS):
+        spec = RequestSpec(f"r{i}", prompt, MAX_NEW, temperature, seed)
+        store.submitted(spec)
+        keys[engine.submit(prompt, max_new_tokens=MAX_NEW, temperature=temperature, seed=seed)] = spec.key
+        recorder.track(next(reversed(keys)), spec.key)
+    out, steps = {}, 0
+    while not engine.idle:
+        engine.step()
+        steps += 1
+        done = engine.take_finished()
+        recorder.record(engine, done)
+        out.update({keys[r]: (v.tokens, v.acceptance_lengths) for r, v in done.items()})
+        if steps == kill_after:
+            recovered = store.recover()
+            assert {s.spec.key for s in recovered.running} | set(out) == {f"r{i}" for i in range(len(REQUESTS))}
+            engine, keys = runtime.engine(), {}
+            for snap in recovered.running:
+                s = snap.spec
+                keys[engine.submit(s.prompt_ids, max_new_tokens=s.max_new_tokens, temperature=s.temperature,
+                                   seed=s.seed, resume_from=snap)] = s.key
+    return out
+
+
+@pytest.mark.parametrize("kill_after", [1, 4])
+def test_resumed_engine_gives_the_uninterrupted_tokens(runtime, kill_after):
+    whole = _run(runtime, None)
+    resumed = _run(runtime, kill_after)
+    assert resumed == whole  # every request, greedy and sampled, tokens and rounds alike
