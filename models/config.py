@@ -101,8 +101,7 @@ class DecoderConfig:
     rope_theta: float = 10000.0
     attention_bias: bool = False
     qk_norm: bool = True
-    # Gemma-4's deltas:
-    hidden_act: str = "silu"  # or "gelu_pytorch_tanh"
+    hidden_act: str = "silu"  # Gemma-4's deltas from here on; "gelu_pytorch_tanh"
     sandwich_norm: bool = False  # norms before and after attention and MLP, then a per-layer scalar
     value_norm: bool = False  # a weightless RMSNorm on V per head
     embedding_scale: float = 1.0  # input embeddings are multiplied by it
@@ -208,10 +207,8 @@ def _gemma4_text_config(data: dict[str, Any], source: str) -> dict[str, Any]:
 
 
 def _gemma4_decoder_fields(data: dict[str, Any], source: str, *, all_global: bool) -> dict[str, Any]:
-    """Gemma-4's deltas (DeepSpec's gemma4 path): sandwich norms and a per-layer scalar, GELU-tanh,
-    scaled embeddings, q/k/v norms instead of score scaling, sliding-window and global layers with
-    their own head dims, KV heads and RoPE, K = V on global layers, soft-capped logits. A drafter
-    (`all_global`) has global-style layers whatever its `layer_types` say, as DeepSpec builds them."""
+    """Gemma-4's `DecoderConfig` deltas (see the fields). A drafter (`all_global`) has global-style
+    layers whatever its `layer_types` say, as DeepSpec builds them."""
     unsupported = {
         "MoE blocks (enable_moe_block)": data.get("enable_moe_block"),
         "per-layer input embeddings (hidden_size_per_layer_input)": data.get("hidden_size_per_layer_input"),
@@ -226,8 +223,7 @@ def _gemma4_decoder_fields(data: dict[str, Any], source: str, *, all_global: boo
     act = data.get("hidden_activation") or data.get("hidden_act") or "gelu_pytorch_tanh"
     if act != "gelu_pytorch_tanh":
         raise CheckpointError(f"{source}: hidden_activation '{act}' is not supported (only 'gelu_pytorch_tanh')")
-    heads = _require(data, "num_attention_heads", source)
-    hidden = _require(data, "hidden_size", source)
+    heads, hidden = _require(data, "num_attention_heads", source), _require(data, "hidden_size", source)
     layers = _require(data, "num_hidden_layers", source)
     kv_heads = int(data.get("num_key_value_heads") or heads)
     head_dim = int(data.get("head_dim") or hidden // heads)
@@ -270,8 +266,7 @@ def _gemma4_decoder_fields(data: dict[str, Any], source: str, *, all_global: boo
         "intermediate_size": _require(data, "intermediate_size", source),
         "num_hidden_layers": layers,
         "num_attention_heads": heads,
-        # the first layer's, for readers of one shape; `layer_layouts` holds every layer's
-        "num_key_value_heads": first.num_key_value_heads,
+        "num_key_value_heads": first.num_key_value_heads,  # layer 0's; `layer_layouts` has every layer's
         "head_dim": first.head_dim,
         "rms_norm_eps": float(data.get("rms_norm_eps", 1e-6)),
         "rope_theta": first.rope_theta,
@@ -382,6 +377,9 @@ class DrafterConfig(DecoderConfig):
 def check_drafter_fits_target(drafter: DrafterConfig, target: TargetConfig) -> None:
     """Refuse a drafter that was not trained against this target, naming the mismatch."""
     problems = []
+    if drafter.sandwich_norm != target.sandwich_norm:  # Gemma-4 layers vs Qwen3/Llama layers
+        problems.append(f"a {'Gemma-4' if drafter.sandwich_norm else 'Qwen3-style'} drafter for a "
+                        f"'{target.model_type}' target")
     if drafter.vocab_size != target.vocab_size:
         problems.append(f"vocab_size {drafter.vocab_size} != target's {target.vocab_size}")
     if drafter.hidden_size != target.hidden_size:

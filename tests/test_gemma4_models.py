@@ -12,7 +12,14 @@ import torch
 from conftest import golden_path
 from safetensors.torch import load_file
 
-from dspark.models import CheckpointError, DrafterConfig, TargetConfig, TargetModel, load_pair
+from dspark.models import (
+    CheckpointError,
+    DrafterConfig,
+    IncompatibleDrafterError,
+    TargetConfig,
+    TargetModel,
+    load_pair,
+)
 from dspark.models.loss import LossWeights, dspark_loss
 from dspark.models.training import target_training_features, training_forward
 from dspark.runtime.prefix_scheduler import threshold_length
@@ -126,3 +133,12 @@ def test_refusals_name_the_feature(tmp_path, edit, message):
     with pytest.raises(CheckpointError, match=message) as info:
         TargetModel.from_pretrained(_edited_target(tmp_path, edit))
     assert "\n" not in str(info.value)
+
+
+def test_a_drafter_of_the_other_family_is_refused():
+    gemma = golden_path(SET)
+    qwen3 = golden_path("qwen3-tiny-vanilla")
+    with pytest.raises(IncompatibleDrafterError, match="a Gemma-4 drafter for a 'qwen3' target"):
+        load_pair(qwen3 / "target", gemma / "drafter")
+    with pytest.raises(IncompatibleDrafterError, match="a Qwen3-style drafter for a 'gemma4' target"):
+        load_pair(gemma / "target", qwen3 / "drafter")
