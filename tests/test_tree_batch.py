@@ -59,16 +59,20 @@ def run_mid_flight(engine: BatchEngine, prompts, budgets) -> dict[int, list[int]
     return {i: finished[r].tokens for r, i in ids.items()}
 
 
-def test_per_depth_trees_equal_the_best_first_builder_and_take_one_head_call_per_depth(demo):
-    target, drafter, prompts = demo
+@pytest.mark.parametrize("pair", ["demo", "gated-rnn"])  # the RNN head carries a state along each path
+def test_per_depth_trees_equal_the_best_first_builder_and_take_one_head_call_per_depth(demo, pair):
+    if pair == "demo":
+        target, drafter, _ = demo
+    else:
+        target, drafter = load_pair(golden_path("qwen3-tiny-gated-rnn", "target"),
+                                    golden_path("qwen3-tiny-gated-rnn", "drafter_rnn"))
     backend = TorchBackend(target, drafter).open()
     info = ModelInfo.from_models(target, drafter)
-    rows = len(prompts)
-    hidden = np.random.default_rng(0).standard_normal((rows, info.block_size, drafter.config.hidden_size))
-    hidden = (hidden * 0.5).astype(np.float32)
+    rows, rng = 6, np.random.default_rng(0)
+    hidden = (rng.standard_normal((rows, info.block_size, drafter.config.hidden_size)) * 0.5).astype(np.float32)
     with torch.no_grad():
         base = drafter.base_logits(torch.from_numpy(hidden)).numpy()
-    anchors = np.array([p[-1] for p in prompts], dtype=np.int64)
+    anchors = rng.integers(0, info.vocab_size, rows)
     calls = backend.times.count(C.HEAD_STEP)
     grown = grow_trees(lambda feeds: backend.run(C.HEAD_STEP, feeds), hidden, base, anchors,
                        TreeOptions(max_nodes=10, top_k=3), feed_base_logits=True, state_size=info.head_state_size)

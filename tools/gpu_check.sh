@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# The one GPU check (issue 19), for a lent GPU machine; meant to finish in under 8 minutes.
+#
+#   bash tools/gpu_check.sh            # from the repository root; figures also go to $OUT (or ./gpu-check-out)
+#
+# 1. environment: GPU, torch/CUDA, onnxruntime; `import dspark` through a path shim (the machine
+#    keeps its own torch: nothing is pip-resolved), carried wheels from $DSPARK_WHEELS (or ./wheels)
+#    installed with --no-deps --no-index first
+# 2. builds the CUDA plugins (plugins/build.sh)
+# 3. runs every GPU-marked test: the CUDA kernels against their numpy references
+#    (tests/test_plugins_cuda.py: masks and accepted paths compared exactly, i.e. max |diff| = 0),
+#    and the batched engine on CUDA, lossless (tests/test_gpu_engine.py)
+# 4. a short bench on the COST STAND-IN target (models/inflate.py: the demo target inflated to
+#    $STANDIN_PARAMS, same outputs, a 1-2B model's cost): tok/s of autoregressive, chain and tree
+#    decoding at 1, 16, 64 requests, with the ratios to autoregressive (tools/engine_tree_bench.py)
+#
+# Status: written without a GPU; it has not run on one yet. Exit status: the number of failed parts.
+set -uo pipefail
+repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+out="${OUT:-$repo/gpu-check-out}"
+mkdir -p "$out"
+exec > >(tee "$out/gpu_check.log") 2>&1
+failed=0
+part() { echo; echo "== $* ($(date -u +%H:%M:%S))"; }
+note_failure() { echo "!! FAILED: $*"; failed=$((failed + 1)); }
+
+part "1. environment"
+shim="$(mktemp -d)"
+ln -s "$repo" "$shim/dspark"
+export PYTHONPATH="$shim${PYTHONPATH:+:$PYTHONPATH}"
+wheels="${DSPARK_WHEELS:-$repo/wheels}"
+if compgen -G "$wheels/*.whl" >/dev/null; then
+  python -m pip install --no-index --no-deps "$wheels"/*.whl || note_failure "installing the carried wheels"
+fi
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || echo "nvidia-smi: not found"
+python - <<'EOF' || note_failure "environment (see the missing modules above)"
+import importlib, sys
+import torch
+print(f"python {sys.version.split()[0]}, torch {torch.__version__}, CUDA {torch.version.cuda}, "
+      f"available {torch.cuda.is_available()}", flush=True)
+if torch.cuda.is_available():
+    print("device:", torch.cuda.get_device_name(0))
+missing = []
+for name in ("numpy", "safetensors", "click", "tqdm", "onnx", "onnxruntime", "tokenizers", "scipy", "pytest"):
+    try:
+        module = importlib.import_module(name)
+        print(f"  {name} {getattr(module, '__version__', '?')}")
+    except ImportError:
+        missing.append(name)
+import dspark.runtime.batch_loop  # noqa: F401  (the package imports under this torch)
+if missing:
+    sys.exit(f"missing modules: {missing} (carry their wheels in $DSPARK_WHEELS)")
+EOF
+
+part "2. build the CUDA plugins"
+timeout 240 bash "$repo/plugins/build.sh" || note_failure "plugins/build.sh"
+
+part "3. GPU-marked tests (kernels vs references; the engine on CUDA, lossless)"
+(cd "$repo/tests" && timeout 240 pytest -q -ra -m gpu -p no:cacheprovider test_plugins_cuda.py test_gpu_engine.py \
+   --junitxml="$out/gpu_tests.xml") || note_failure "GPU-marked tests"
+
+part "4. bench on the cost stand-in (${STANDIN_PARAMS:=1B} parameters)"
+standin="${STANDIN_DIR:-$out/standin-$STANDIN_PARAMS}"
+timeout 120 python - "$standin" "$STANDIN_PARAMS" <<'EOF' || note_failure "making the stand-in"
+import sys
+from importlib import resources
+from pathlib import Path
+from dspark.models.inflate import inflate_checkpoint, is_current, parse_params, KV_PER_PARAM
+out, params = Path(sys.argv[1]), parse_params(sys.argv[2])
+target = Path(str(resources.files("dspark.models") / "demo" / "target"))
+if not is_current(out, target, params, KV_PER_PARAM):
+    record = inflate_checkpoint(target, out, params, progress=print)
+    print(f"stand-in: {record['params']:,} parameters in {out}")
+EOF
+timeout 300 python -m dspark.tools.engine_tree_bench --device cuda --target "$standin" \
+  --drafter "$repo/models/demo/dspark" --requests 1,16,64 --new-tokens 32 --repeats 2 \
+  | tee "$out/bench.txt" || note_failure "bench"
+
+part "done: $failed part(s) failed; log and figures in $out"
+exit "$failed"
