@@ -22,7 +22,8 @@ Target graph (`target_static.onnx`, static cache for in-place KV): the cache inp
 runtime owns and binds (ORT IO binding / TensorRT device pointers) without copying; the graph only
 reads them and returns the new tokens' keys/values `new.{i}.key|value` [batch, kv_heads, tokens,
 head_dim]. The runtime writes those rows into its buffers at each row's write position (the row's
-cache length, or any free slots: slot order does not matter, only the mask does). The mask has
+cache length, or any free slots: slot order does not matter, only the mask does — except with
+sliding-window layers, below). The mask has
 capacity + tokens columns: first every cache slot (True only where the slot holds a committed
 position visible to this token), then the new tokens (causal or tree). No buffer is copied inside
 the graph: attention scores are computed against the cache and the new keys separately and share
