@@ -27,13 +27,14 @@ import click
 import torch
 
 from dspark.models import load_pair
-from dspark.runtime.backend import BackendUnavailable
 from dspark.runtime.batch_loop import BatchEngine
 from dspark.runtime.cost_model import StepCostModel
 from dspark.runtime.kv_cache import Capacity
 from dspark.runtime.model_info import ModelInfo
 from dspark.runtime.prefix_scheduler import SchedulerConfig
 from dspark.runtime.torch_backend import TorchBackend
+
+from .errors import OneLineErrors
 
 DEMO = Path(str(resources.files("dspark.models") / "demo"))
 METHODS = ("autoregressive", "chain", "tree", "tree-fixed")
@@ -81,7 +82,7 @@ def fit_cost(backend, info, prompts_by_r: dict[int, list[list[int]]], new_tokens
     return StepCostModel.fit(samples)
 
 
-@click.command()
+@click.command("engine_tree_bench", cls=OneLineErrors)
 @click.option("--target", "target_dir", type=click.Path(path_type=Path), default=DEMO / "target", show_default=True)
 @click.option("--drafter", "drafter_dir", type=click.Path(path_type=Path), default=DEMO / "dspark", show_default=True)
 @click.option("--requests", default="1,16", show_default=True, help="Batch sizes (concurrent requests), comma list.")
@@ -102,10 +103,7 @@ def main(target_dir: Path, drafter_dir: Path, requests: str, new_tokens: int, re
     texts = [encode(t).ids if encode else [3 + (7 * i + j) % 200 for j in range(8 + i)] for i, t in enumerate(PROMPTS)]
     sizes = [int(r) for r in requests.split(",")]
     prompts_by_r = {r: [texts[i % len(texts)] for i in range(r)] for r in sizes}
-    try:
-        backend = TorchBackend(target, drafter, device=device).open()
-    except BackendUnavailable as err:
-        raise click.ClickException(str(err)) from None
+    backend = TorchBackend(target, drafter, device=device).open()  # no CUDA: one line (OneLineErrors)
     info = ModelInfo.from_models(target, drafter)
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     click.echo(f"models: {target_dir} + {drafter_dir}; device {device}; {new_tokens} new tokens; "
