@@ -118,14 +118,17 @@ def test_outputs_through_two_replicas_equal_runtime_generate(pair):
             request = fleet.submit(rt.encode(prompt), max_new_tokens=24, temperature=temperature, seed=seed,
                                    stop=list(rt.info.eos_token_ids))
             streamed = [t for tokens in [x async for x in request.astream()] for t in tokens]
-            outputs.append((streamed, request.result(0).tokens))
+            outputs.append((streamed, request.result(0)))
         return outputs, [h.sent for h in handles]
 
     outputs, sent = run(pair, scenario)
     rt = pair[1]
     for (streamed, whole), (prompt, temperature, seed) in zip(outputs, CASES, strict=True):
-        want = expected(rt, rt.encode(prompt), temperature, seed, 24)
-        assert streamed == want and whole == want
+        (want,) = rt.generate(rt.encode(prompt), max_new_tokens=24, temperature=temperature, seed=seed,
+                              stop=list(rt.info.eos_token_ids))
+        assert streamed == want.tokens and whole.tokens == want.tokens
+        assert (whole.finish_reason, whole.acceptance_lengths, whole.proposal_lengths) == (
+            want.finish_reason, want.acceptance_lengths, want.proposal_lengths)
     assert sent == [2, 2]  # round-robin: both replicas served
 
 

@@ -80,6 +80,8 @@ def test_outputs_through_two_replicas_equal_runtime_generate(cluster, prompt, te
     before = {name: r["routed"] for name, r in replicas(url).items()}
     whole = api.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=temperature, seed=seed)
     assert whole.model_extra["dspark"]["token_ids"] == want.tokens and whole.choices[0].text == want.text
+    assert whole.model_extra["dspark"]["acceptance_lengths"] == want.acceptance_lengths
+    assert whole.choices[0].finish_reason == ("length" if want.finish_reason == "length" else "stop")
     chunks = list(api.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=temperature,
                                          seed=seed, stream=True))
     assert [t for c in chunks for t in (c.model_extra.get("dspark") or {}).get("token_ids", [])] == want.tokens
@@ -98,6 +100,7 @@ def test_metrics_carry_each_replicas_samples_and_health_sums_them(cluster):
         assert float(line.split()[-1]) > 0
     health = httpx.get(f"{url}/health", timeout=30).json()
     assert health["status"] == "ok" and health["slots_total"] == 2 * OPTIONS.max_requests
+    assert health["max_queue"] == 2 * MAX_QUEUE
 
 
 def test_a_full_fleet_answers_429_and_serves_the_rest(cluster):

@@ -138,10 +138,10 @@ class Fleet:
 
     def snapshot(self) -> LoadSnapshot:
         """The replicas' last reports summed (the replicas that are up)."""
-        reports = [r.report.snapshot for r in self.replicas if r.up and r.report is not None]
-        names = [f.name for f in fields(LoadSnapshot) if f.name != "time"]
-        total = {name: int(sum(getattr(s, name) for s in reports)) for name in names}
-        return LoadSnapshot(time=time.monotonic(), **total)
+        up = [r for r in self.replicas if r.up and r.report is not None]
+        names = [f.name for f in fields(LoadSnapshot) if f.name not in ("time", "max_queue")]
+        total = {name: int(sum(getattr(r.report.snapshot, name) for r in up)) for name in names}
+        return LoadSnapshot(time=time.monotonic(), max_queue=sum(r.info.max_queue for r in up), **total)
 
     @property
     def alive(self) -> bool:
