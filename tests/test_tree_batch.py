@@ -180,7 +180,9 @@ def test_sampling_follows_the_target_law():
     engine = tree_engine(TorchBackend(target, drafter), ModelInfo.from_models(target, drafter), mode="fixed",
                          slots=128, nodes=4, top_k=2)
     ids = [engine.submit(PROMPT, max_new_tokens=3, temperature=1.0, seed=s) for s in range(1500)]
+    greedy = engine.submit(PROMPT, max_new_tokens=6)  # a greedy row among sampling rows: its own rule
     finished = engine.run_until_done()
+    assert finished[greedy].tokens == autoregressive_generate(target, PROMPT, max_new_tokens=6)
     counts = torch.zeros(VOCAB, VOCAB, dtype=torch.float64)
     for i in ids:
         counts[finished[i].tokens[1], finished[i].tokens[2]] += 1
