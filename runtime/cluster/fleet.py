@@ -1,7 +1,7 @@
 """The ingress's view of the engine replicas, shaped like an `EngineService` so that the OpenAI app of
 runtime/serving serves it unchanged: `submit` (checked here against the replicas' limits, routed, sent),
-`room`, `snapshot`, `alive`, and `runtime` (the model info and tokenizer). A poll task on the ingress's event
-loop keeps each replica's load and health current; the router's own ledger (requests and remaining work in
+`room`, `snapshot`, `alive`, and `runtime` (the model info and tokenizer). A poll task per replica on the ingress's
+event loop keeps its load and health current; the router's own ledger (requests and remaining work in
 flight per replica) moves with every send, token and end.
 
 A replica that dies: requests it had not started on (no token delivered yet) are sent again to another
@@ -94,7 +94,7 @@ class Fleet:
         self.rejected = 0
         self._admission = Admission(Capacity(first.max_requests, first.max_tokens, first.max_seq_len))
         self._closed = False
-        self._poller: asyncio.Task | None = None
+        self._pollers: list[asyncio.Task] = []
 
     @classmethod
     async def start(cls, handles: Sequence[tuple[str, Any]], router: Router,
@@ -106,7 +106,8 @@ class Fleet:
             raise ValueError(f"the engine replicas serve different models or limits: {sorted(map(str, models))}")
         fleet = cls([Replica(name, handle, info) for (name, handle), info in zip(handles, infos, strict=True)],
                      router, poll_interval)
-        fleet._poller = asyncio.get_running_loop().create_task(fleet._poll_forever())
+        loop = asyncio.get_running_loop()
+        fleet._pollers = [loop.create_task(fleet._poll_forever(r)) for r in fleet.replicas]
         return fleet
 
     # -- what the app calls ----------------------------------------------------------------------
@@ -152,8 +153,8 @@ class Fleet:
 
     def close(self) -> None:
         self._closed = True
-        if self._poller is not None:
-            self._poller.cancel()
+        for poller in self._pollers:
+            poller.cancel()
 
     # -- routing ---------------------------------------------------------------------------------
     def route(self, cost: RequestCost, exclude: frozenset[int]) -> int:
@@ -171,9 +172,10 @@ class Fleet:
     def _positions_needed(self, prompt_len: int, max_new_tokens: int) -> int:
         return prompt_len + max_new_tokens + self.replicas[0].info.reserve_extra  # the engine's rule: linear
 
-    async def _poll_forever(self) -> None:
+    async def _poll_forever(self, replica: Replica) -> None:
+        """One task per replica: a dead one's timeouts do not hold back the others' reports."""
         while not self._closed:
-            await asyncio.gather(*(self._poll(r) for r in self.replicas))
+            await self._poll(replica)
             await asyncio.sleep(self.poll_interval)
 
     async def _poll(self, replica: Replica) -> None:
