@@ -91,3 +91,27 @@ def test_sampling_on_cuda_matches_the_cpu_engine_stream_for_stream(cuda_pair):
         runs.append([finished[i].tokens for i in ids])
     same = sum(a == b for a, b in zip(*runs, strict=True))
     assert same >= 6, runs
+
+
+@pytest.mark.gpu
+def test_ort_cuda_provider_trees_equal_the_target(tmp_path):
+    """ONNX Runtime's CUDA execution provider (onnxruntime-gpu), host buffers bound each call: tree
+    drafting over the demo pair's export stays lossless."""
+    import onnxruntime as ort
+
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        pytest.skip(f"onnxruntime {ort.__version__} has no CUDAExecutionProvider (pip install onnxruntime-gpu "
+                    "on a machine with CUDA)")
+    from dspark.export.pipeline import export_pair
+    from dspark.runtime.ort_backend import OrtBackend
+    from dspark.runtime.reference_decoder import autoregressive_generate
+
+    export_pair(DEMO / "target", DEMO / "dspark", tmp_path, check=False)
+    backend = OrtBackend(tmp_path, providers=["CUDAExecutionProvider", "CPUExecutionProvider"])
+    target, _ = load_pair(DEMO / "target", DEMO / "dspark")
+    e = engine(backend, ModelInfo.from_manifest(backend.manifest), SchedulerConfig("fixed", drafting="tree",
+                                                                                 tree_nodes=8))
+    ids = [e.submit(p, max_new_tokens=16) for p in PROMPTS]
+    finished = e.run_until_done()
+    for i, p in zip(ids, PROMPTS, strict=True):
+        assert finished[i].tokens == autoregressive_generate(target, p, max_new_tokens=16)
