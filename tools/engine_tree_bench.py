@@ -3,7 +3,9 @@
     python -m dspark.tools.engine_tree_bench --requests 1,16 --repeats 3
     python -m dspark.tools.engine_tree_bench --device cuda --requests 1,16,64 --target DIR --drafter DIR
 
-Methods, each a `BatchEngine` over the PyTorch backend (`--device`):
+Methods, each a `BatchEngine` over the PyTorch backend (`--device`), or over ONNX Runtime
+(`--backend ort`: the pair exported to a temporary folder first; fused KV, trees verify through the
+static-cache graph):
   autoregressive  scheduler mode `off` (the target alone, one token per step)
   chain           mode `dspark`: Algorithm 1 over chain slots (padded pricing, the engine's default)
   tree            mode `dspark`, drafting="tree": Algorithm 1 over all requests' tree nodes
@@ -19,6 +21,7 @@ Every greedy output is checked against the autoregressive engine's.
 from __future__ import annotations
 
 import statistics
+import tempfile
 import time
 from importlib import resources
 from pathlib import Path
@@ -90,9 +93,10 @@ def fit_cost(backend, info, prompts_by_r: dict[int, list[list[int]]], new_tokens
 @click.option("--repeats", default=3, show_default=True)
 @click.option("--tree-nodes", default=16, show_default=True)
 @click.option("--device", default="cpu", show_default=True, help="PyTorch device: cpu or cuda.")
-@click.option("--threads", default=0, show_default=True, help="torch intra-op threads (0: leave as is).")
+@click.option("--threads", default=0, show_default=True, help="Intra-op threads (0: leave as is).")
+@click.option("--backend", "backend_name", type=click.Choice(["torch", "ort"]), default="torch", show_default=True)
 def main(target_dir: Path, drafter_dir: Path, requests: str, new_tokens: int, repeats: int, tree_nodes: int,
-         device: str, threads: int) -> None:
+         device: str, threads: int, backend_name: str) -> None:
     if threads:
         torch.set_num_threads(threads)
     from tokenizers import Tokenizer
@@ -103,12 +107,21 @@ def main(target_dir: Path, drafter_dir: Path, requests: str, new_tokens: int, re
     texts = [encode(t).ids if encode else [3 + (7 * i + j) % 200 for j in range(8 + i)] for i, t in enumerate(PROMPTS)]
     sizes = [int(r) for r in requests.split(",")]
     prompts_by_r = {r: [texts[i % len(texts)] for i in range(r)] for r in sizes}
-    backend = TorchBackend(target, drafter, device=device).open()  # no CUDA: one line (OneLineErrors)
-    info = ModelInfo.from_models(target, drafter)
+    if backend_name == "ort":
+        from dspark.export.pipeline import export_pair
+        from dspark.runtime.ort_backend import OrtBackend
+
+        folder = Path(tempfile.mkdtemp(prefix="engine_tree_bench_"))
+        export_pair(target_dir, drafter_dir, folder, check=False)
+        backend = OrtBackend(folder, intra_op_threads=threads).open()
+        info = ModelInfo.from_manifest(backend.manifest)
+    else:
+        backend = TorchBackend(target, drafter, device=device).open()  # no CUDA: one line (OneLineErrors)
+        info = ModelInfo.from_models(target, drafter)
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
-    click.echo(f"models: {target_dir} + {drafter_dir}; device {device}; {new_tokens} new tokens; "
-               f"tree nodes ≤ {tree_nodes}; {repeats} interleaved repeats")
-    cost = fit_cost(backend, info, {r: p for r, p in prompts_by_r.items()}, min(new_tokens, 24), tree_nodes, sync)
+    click.echo(f"models: {target_dir} + {drafter_dir}; {backend_name} backend, device {device}; "
+               f"{new_tokens} new tokens; tree nodes ≤ {tree_nodes}; {repeats} interleaved repeats")
+    cost = fit_cost(backend, info, prompts_by_r, min(new_tokens, 24), tree_nodes, sync)
     click.echo(f"step cost fitted here: {cost.to_dict()}")
     click.echo(f"{'R':>3} {'method':<15} {'tau':>6} {'tok/s med':>10} {'tok/s min':>10} {'vs AR':>6}")
     for r, prompts in prompts_by_r.items():  # one batch size at a time: its rows print as soon as they exist
