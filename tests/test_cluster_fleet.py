@@ -38,13 +38,14 @@ class _Call:
 
 class LocalHandle:
     """The DeploymentHandle calls the fleet makes, on an in-process EngineReplica; `kill()` makes every later
-    call, and every stream in progress, fail as a dead actor's do."""
+    call, and the replica's stream to the ingress, fail as a dead actor's do."""
 
     def __init__(self, replica: EngineReplica) -> None:
         self.replica, self.dead = replica, False
         self.describe, self.load = _Call(self._unary(replica.describe)), _Call(self._unary(replica.load))
         self.metrics_text = _Call(self._unary(replica.metrics_text))
-        self.generate = _Call(self._generate)
+        self.subscribe, self.cancel = _Call(self._subscribe), _Call(self._cancel)
+        self.start = _Call(lambda *a, **k: asyncio.ensure_future(self._start(*a, **k)))  # sent at once, as Ray's
         self.sent = 0
 
     def options(self, stream: bool = False) -> LocalHandle:
@@ -61,9 +62,21 @@ class LocalHandle:
 
         return call
 
-    async def _generate(self, **payload):
+    async def _start(self, *args, **kwargs):
+        if self.dead:
+            raise ActorDied("the actor died")
         self.sent += 1
-        stream = self.replica.generate(**payload)
+        return await self.replica.start(*args, **kwargs)
+
+    def _cancel(self, *args):
+        if self.dead:
+            raise ActorDied("the actor died")
+        return self.replica.cancel(*args)
+
+    async def _subscribe(self):
+        if self.dead:
+            raise ActorDied("the actor died")
+        stream = self.replica.subscribe()
         try:
             async for item in stream:
                 if self.dead:
@@ -166,12 +179,19 @@ def test_when_every_queue_is_full_the_next_request_is_refused_then_taken_again(p
     held = 2 * (OPTIONS.max_requests + MAX_QUEUE)
 
     async def scenario(fleet, handles, rt):
+        submitted = sum(h.replica.service.snapshot().submitted for h in handles)
         requests = [fleet.submit([7, 8, 9], max_new_tokens=200, temperature=0.0) for _ in range(held)]
         with pytest.raises(FleetFull, match="queue is full"):
             fleet.submit([7, 8, 9], max_new_tokens=4)
         for request in requests:
-            request.cancel()
-        await asyncio.sleep(0.05)
+            request.cancel()  # before their starts reach the replicas: they never run there
+        for _ in range(300):
+            await asyncio.sleep(0.01)
+            loads = [h.replica.service.snapshot() for h in handles]
+            if all(load.running + load.queued == 0 for load in loads):
+                break
+        assert [(load.running, load.queued) for load in loads] == [(0, 0), (0, 0)]
+        assert sum(load.submitted for load in loads) == submitted  # cancelled before their start: never run
         ledger = [(r.in_flight, r.in_flight_work) for r in fleet.replicas]
         taken = await fleet.submit([7, 8, 9], max_new_tokens=4, temperature=0.0).aresult()
         return ledger, taken.tokens, fleet.rejected

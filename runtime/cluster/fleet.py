@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -32,6 +33,7 @@ from .routing import NoReplica, ReplicaLoad, RequestCost, Router, remaining_work
 log = logging.getLogger("dspark.cluster")
 POLL_INTERVAL = 0.05  # seconds between load polls of every replica
 POLL_TIMEOUT = 2.0  # a replica that does not answer a poll within this is down
+_KEYS = itertools.count(1)  # request keys on the replicas' streams
 
 
 class FleetFull(QueueFull):
@@ -66,12 +68,14 @@ class Replica:
         self.up, self.why_down = True, ""
         self.in_flight, self.in_flight_work = 0, 0.0
         self.routed = 0
+        self.feed_id: int | None = None  # its stream to this ingress, once subscribed
+        self.requests: dict[int, RemoteRequest] = {}  # feed key -> request
 
     def load(self) -> ReplicaLoad:
         i, r = self.info, self.report
         s = r.snapshot if r is not None else None
         return ReplicaLoad(
-            self.name, self.up, queued=s.queued if s else 0, running=s.running if s else 0,
+            self.name, self.up and self.feed_id is not None, queued=s.queued if s else 0, running=s.running if s else 0,
             slots_total=i.max_requests, kv_tokens_reserved=s.kv_tokens_reserved if s else 0,
             kv_tokens_capacity=i.max_tokens, max_queue=i.max_queue,
             verification_budget=r.verification_budget if r else 0.0, reported_work=r.remaining_work if r else 0.0,
@@ -107,7 +111,10 @@ class Fleet:
         fleet = cls([Replica(name, handle, info) for (name, handle), info in zip(handles, infos, strict=True)],
                      router, poll_interval)
         loop = asyncio.get_running_loop()
-        fleet._pollers = [loop.create_task(fleet._poll_forever(r)) for r in fleet.replicas]
+        fleet._pollers = [loop.create_task(task) for r in fleet.replicas
+                          for task in (fleet._poll_forever(r), fleet._read_feed(r))]
+        while any(r.feed_id is None for r in fleet.replicas):
+            await asyncio.sleep(0.01)
         return fleet
 
     # -- what the app calls ----------------------------------------------------------------------
@@ -172,6 +179,31 @@ class Fleet:
     def _positions_needed(self, prompt_len: int, max_new_tokens: int) -> int:
         return prompt_len + max_new_tokens + self.replicas[0].info.reserve_extra  # the engine's rule: linear
 
+    async def _read_feed(self, replica: Replica) -> None:
+        """The replica's stream of step updates, handed to its requests; when it breaks (the replica died),
+        every request on it hears so, and the stream is opened again (Ray Serve answers once it restarted
+        the replica)."""
+        while not self._closed:
+            try:
+                async for item in replica.handle.options(stream=True).subscribe.remote():
+                    if isinstance(item, int):
+                        replica.feed_id = item
+                        continue
+                    for key, update in item:
+                        request = replica.requests.get(key)
+                        if request is not None:
+                            request.updates.put_nowait(update)
+                raise ConnectionError(f"engine replica {replica.name} closed its stream")
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                replica.feed_id = None
+                replica.mark_down(f"its stream broke: {type(exc).__name__}: {str(exc)[:160]}")
+                for request in list(replica.requests.values()):
+                    request.updates.put_nowait(exc)
+                replica.requests.clear()
+                await asyncio.sleep(self.poll_interval)
+
     async def _poll_forever(self, replica: Replica) -> None:
         """One task per replica: a dead one's timeouts do not hold back the others' reports."""
         while not self._closed:
@@ -207,10 +239,11 @@ class RemoteRequest:
     def __init__(self, fleet: Fleet, payload: dict[str, Any], cost: RequestCost) -> None:
         self.fleet, self.payload, self.cost = fleet, payload, cost
         self.prompt_ids, self.seed, self.context = payload["prompt_ids"], payload["seed"], {}
-        self.index = -1
+        self.index, self.feed_key, self.feed_id = -1, 0, 0
         self.delivered = 0
+        self.updates: asyncio.Queue = asyncio.Queue()  # from the replica's stream: tokens, result, refusal, error
         self._tokens: list[int] = []
-        self._stream: Any = None
+        self._started: Any = None  # the replica's answer to `start`: None (taken) or a Refusal
         self._work, self._held = 0.0, False
         self._result: RequestResult | None = None
         self._error: BaseException | None = None
@@ -227,8 +260,11 @@ class RemoteRequest:
     def dispatch(self, exclude: frozenset[int]) -> None:
         self.index = self.fleet.route(self.cost, exclude)
         self._work, self._held = self.cost.work(self.fleet.router.prefill_weight), True
-        handle = self.fleet.replicas[self.index].handle
-        self._stream = handle.options(stream=True).generate.remote(**self.payload)
+        replica = self.fleet.replicas[self.index]
+        self.feed_key, self.feed_id = next(_KEYS), replica.feed_id
+        self.updates = asyncio.Queue()
+        replica.requests[self.feed_key] = self
+        self._started = replica.handle.start.remote(self.feed_id, self.feed_key, **self.payload)
 
     def tokens(self) -> list[int]:
         """The tokens delivered so far (a copy)."""
@@ -247,17 +283,23 @@ class RemoteRequest:
         try:
             while not self._done:
                 try:
-                    async for item in self._stream:
-                        if isinstance(item, list):
-                            self._progress(item)
-                            if self.delivered > start:
-                                yield item[max(start - self.delivered + len(item), 0):]
-                        elif isinstance(item, Refusal):
-                            self._refused(item)
-                        else:
-                            self._finish(result=item)
-                    if not self._done:
-                        self._finish(error=RequestFailed(f"{self.replica} ended the stream without a result"))
+                    if self._started is not None:
+                        started, self._started = self._started, None
+                        refusal = await started
+                        if refusal is not None:
+                            self._refused(refusal)
+                        continue
+                    item = await self.updates.get()
+                    if isinstance(item, list):
+                        self._progress(item)
+                        if self.delivered > start:
+                            yield item[max(start - self.delivered + len(item), 0):]
+                    elif isinstance(item, Refusal):
+                        self._refused(item)
+                    elif isinstance(item, BaseException):
+                        raise item
+                    else:
+                        self._finish(result=item)
                 except _Retry:
                     tried.add(self.index)
                     self._redispatch(tried)
@@ -294,9 +336,8 @@ class RemoteRequest:
         if self._done:
             return
         self._finish(result=RequestResult(-1, self.payload["prompt_ids"], [], finish_reason="cancelled"))
-        if self._stream is not None:
-            with contextlib.suppress(Exception):
-                self._stream.cancel()
+        with contextlib.suppress(Exception):  # the replica gone: nothing left to cancel
+            self.fleet.replicas[self.index].handle.cancel.remote(self.feed_id, self.feed_key)
 
     # -- pieces ---------------------------------------------------------------------------------------
     def _progress(self, tokens: list[int]) -> None:
@@ -325,6 +366,7 @@ class RemoteRequest:
             replica = self.fleet.replicas[self.index]
             replica.in_flight -= 1
             replica.in_flight_work -= self._work
+            replica.requests.pop(self.feed_key, None)
             self._work, self._held = 0.0, False
 
     def _finish(self, *, result: RequestResult | None = None, error: BaseException | None = None) -> None:

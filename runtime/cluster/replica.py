@@ -1,14 +1,15 @@
 """One engine replica: a Runtime and its EngineService (one decode loop) in a Ray Serve replica's process, with
 the calls the ingress makes: `describe` (model, limits, where the tokenizer is), `load` (what the router
-weighs), `generate` (a stream of token lists, then the result), `metrics_text` (its `dspark:` exposition).
+weighs), `subscribe` (the ingress's stream of every step's updates, feed.py), `start` and `cancel` (a request
+on that stream), `metrics_text` (its `dspark:` exposition).
 Plain Python: deploy.py wraps it with `serve.deployment`, so this module needs no Ray to import or test.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
-import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,11 +19,11 @@ from ..cost_model import StepCost
 from ..kv_cache import CapacityError
 from ..model_info import ModelInfo
 from ..requests import RequestError
-from ..serving.handle import LoadSnapshot, QueueFull, RequestFailed, ServiceClosed
+from ..serving.handle import LoadSnapshot, QueueFull, ServiceClosed
 from ..serving.metrics import ServingMetrics
 from ..serving.service import EngineService
 from ..stats import RequestResult, StepRecord
-from .routing import PREFILL_WEIGHT, remaining_work
+from .feed import ReplicaFeed, Update
 
 BUDGET_DECAY = 0.9  # the verification budget's moving average keeps 90% of its value per step
 
@@ -101,9 +102,9 @@ class EngineReplica:
         self.metrics = ServingMetrics(self.service)
         self._budget = 0.0
         self._closed = False
-        self._lock = threading.Lock()
-        self._requests: dict[int, object] = {}  # handle id -> handle, for the remaining work
+        self._feeds: dict[int, ReplicaFeed] = {}
         self.service.add_step_listener(self._on_step)
+        self.service.add_finish_listener(self._on_finish)
 
     def describe(self) -> ReplicaInfo:
         capacity = self.service.engine.admission.capacity
@@ -114,40 +115,51 @@ class EngineReplica:
                            os.getpid())
 
     def load(self) -> ReplicaReport:
-        with self._lock:
-            handles = list(self._requests.values())
-        work = sum(remaining_work(len(h.prompt_ids), h.max_new_tokens, len(h.tokens()), PREFILL_WEIGHT)
-                   for h in handles)
+        work = sum(feed.remaining_work() for feed in list(self._feeds.values()))
         return ReplicaReport(self.service.snapshot(), self._budget, work)
 
-    async def generate(self, prompt_ids: list[int], max_new_tokens: int, temperature: float, seed: int,
-                       stop: list[int | str]) -> AsyncIterator[list[int] | RequestResult | Refusal]:
-        """Token lists as steps commit them, then the RequestResult; a Refusal (only item) when not taken,
-        or as the last item when the engine failed the request. Cancelling the stream cancels the request."""
+    async def subscribe(self) -> AsyncIterator[int | list[Update]]:
+        """An ingress's stream: first its feed id (for `start` and `cancel`), then after every engine step the
+        updates of the requests it started: (key, new tokens), (key, RequestResult) at the end, (key, Refusal)
+        when the engine failed it. Its requests are cancelled when the stream closes (the ingress went away)."""
+        feed = ReplicaFeed(asyncio.get_running_loop())
+        self._feeds[feed.id] = feed
+        try:
+            yield feed.id
+            while True:
+                await feed.wake.wait()
+                feed.wake.clear()
+                updates = feed.collect(self.name, Refusal)
+                if updates:
+                    yield updates
+        finally:
+            del self._feeds[feed.id]
+            feed.cancel_all()
+
+    async def start(self, feed_id: int, key: int, prompt_ids: list[int], max_new_tokens: int, temperature: float,
+                    seed: int, stop: list[int | str]) -> Refusal | None:
+        """Submit a request whose updates go to that feed; a Refusal when it is not taken."""
+        feed = self._feeds.get(feed_id)
+        if feed is None:
+            return Refusal(503, f"{self.name}: feed {feed_id} is closed")
+        if not feed.wanted(key):
+            return None
         try:
             handle = self.service.submit(prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature,
                                          seed=seed, stop=stop)
         except QueueFull as exc:
-            yield Refusal(429, str(exc), exc.retry_after)
-            return
+            return Refusal(429, str(exc), exc.retry_after)
         except (RequestError, CapacityError) as exc:
-            yield Refusal(400, str(exc))
-            return
+            return Refusal(400, str(exc))
         except ServiceClosed as exc:
-            yield Refusal(503, str(exc))
-            return
-        with self._lock:
-            self._requests[handle.id] = handle
-        try:
-            async for tokens in handle.astream():
-                yield tokens
-            yield handle.result(0)
-        except (RequestFailed, ServiceClosed) as exc:
-            yield Refusal(500, f"{self.name}: {exc}")
-        finally:
-            handle.cancel()
-            with self._lock:
-                self._requests.pop(handle.id, None)
+            return Refusal(503, str(exc))
+        feed.add(key, handle)
+        return None
+
+    def cancel(self, feed_id: int, key: int) -> None:
+        feed = self._feeds.get(feed_id)
+        if feed is not None:
+            feed.cancel(key)
 
     def metrics_text(self) -> bytes:
         return self.metrics.render()[0]
@@ -166,3 +178,11 @@ class EngineReplica:
 
     def _on_step(self, record: StepRecord, snapshot: LoadSnapshot) -> None:
         self._budget = BUDGET_DECAY * self._budget + (1 - BUDGET_DECAY) * float(record.verified_tokens)
+        self._poke()
+
+    def _on_finish(self, result: RequestResult, timings: object) -> None:
+        self._poke()  # an end without a step (a cancel, a refused prompt)
+
+    def _poke(self) -> None:
+        for feed in list(self._feeds.values()):
+            feed.poke()
