@@ -15,6 +15,8 @@
 #    decoding at 1, 16, 64 requests, with the ratios to autoregressive (tools/engine_tree_bench.py)
 #
 # Status: written without a GPU; it has not run on one yet. Exit status: the number of failed parts.
+# Expect the CUDA figures to be bus-bound: the PyTorch CUDA path keeps the KV slot caches on the host
+# (see docs/gpu-trees.md), so at 64 requests a step moves the past keys/values both ways.
 set -uo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 out="${OUT:-$repo/gpu-check-out}"
@@ -53,11 +55,13 @@ if missing:
 EOF
 
 part "2. build the CUDA plugins"
-timeout 240 bash "$repo/plugins/build.sh" || note_failure "plugins/build.sh"
+timeout 180 bash "$repo/plugins/build.sh" || note_failure "plugins/build.sh"
 
 part "3. GPU-marked tests (kernels vs references; the engine on CUDA, lossless)"
-(cd "$repo/tests" && timeout 240 pytest -q -ra -m gpu -p no:cacheprovider test_plugins_cuda.py test_gpu_engine.py \
-   --junitxml="$out/gpu_tests.xml") || note_failure "GPU-marked tests"
+pytest_cmd=(pytest)
+command -v pytest >/dev/null 2>&1 || pytest_cmd=(python -m pytest)
+(cd "$repo/tests" && timeout 300 "${pytest_cmd[@]}" -q -ra -m gpu -p no:cacheprovider test_plugins_cuda.py \
+   test_gpu_engine.py --junitxml="$out/gpu_tests.xml") || note_failure "GPU-marked tests"
 
 part "4. bench on the cost stand-in (${STANDIN_PARAMS:=1B} parameters)"
 standin="${STANDIN_DIR:-$out/standin-$STANDIN_PARAMS}"
@@ -73,7 +77,7 @@ if not is_current(out, target, params, KV_PER_PARAM):
     print(f"stand-in: {record['params']:,} parameters in {out}")
 EOF
 timeout 300 python -m dspark.tools.engine_tree_bench --device cuda --target "$standin" \
-  --drafter "$repo/models/demo/dspark" --requests 1,16,64 --new-tokens 32 --repeats 2 \
+  --drafter "$repo/models/demo/dspark" --requests 1,16,64 --new-tokens 24 --repeats 2 \
   | tee "$out/bench.txt" || note_failure "bench"
 
 part "done: $failed part(s) failed; log and figures in $out"
