@@ -117,6 +117,20 @@ def test_greedy_equals_the_target_with_requests_arriving_mid_flight(demo, kv_mod
     assert engine.trees.verifier.graph == (C.TARGET_STATIC if kv_mode == "static" else C.TARGET)
 
 
+def test_a_drafter_without_heads_grows_trees_from_its_base_logits():
+    """DFlash (no sequential head): children come from the block's per-slot logits; still lossless."""
+    target, drafter = load_pair(golden_path("dflash-tiny", "target"), golden_path("dflash-tiny", "drafter"))
+    info = ModelInfo.from_models(target, drafter)
+    assert not info.has_heads
+    engine = tree_engine(TorchBackend(target, drafter), info, mode="fixed", nodes=6)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 500, (n,), generator=g).tolist() for n in (3, 21, 8, 40)]
+    out = run_mid_flight(engine, prompts, [20] * 4)
+    for i, prompt in enumerate(prompts):
+        assert out[i] == autoregressive_generate(target, prompt, max_new_tokens=20), f"prompt {i}"
+    assert max(n for s in engine.stats.steps for n in s.acceptance_lengths) > 2
+
+
 def test_committed_kv_is_the_accepted_path_compacted(demo):
     """After tree steps, each row's committed keys/values equal the target's own prefill of
     prompt + committed tokens (rejected siblings were never counted, the path sits in order)."""
