@@ -2,6 +2,7 @@
 
     routing.py        which replica serves a request (weighted by expected cost, round-robin, power of two)
     replica.py        one engine replica: a Runtime and its EngineService loop
+    feed.py           the replica's one stream to an ingress: every step's updates of all its requests
     fleet.py          the ingress's view of the replicas, shaped like an EngineService for runtime/serving's app
     fleet_metrics.py  /metrics across the replicas (a replica label on every sample)
     deploy.py         the Ray Serve application (`dspark serve --replicas N`, `serve run ...:app_builder`)
