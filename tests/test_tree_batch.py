@@ -28,6 +28,7 @@ from dspark.runtime.reference_decoder import autoregressive_generate
 from dspark.runtime.torch_backend import TorchBackend
 from dspark.runtime.tree_batch import TreeOptions, grow_trees
 from dspark.runtime.tree_builder import build_tree
+from dspark.runtime.tree_decoder import tree_generate
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -115,6 +116,21 @@ def test_greedy_equals_the_target_with_requests_arriving_mid_flight(demo, kv_mod
     accepted = [n for s in engine.stats.steps for n in s.acceptance_lengths]
     assert max(accepted) > 2  # trees were accepted beyond one draft
     assert engine.trees.verifier.graph == (C.TARGET_STATIC if kv_mode == "static" else C.TARGET)
+
+
+def test_rounds_equal_the_one_request_tree_decoder(demo):
+    """Six requests batched, fixed 10-node trees: each request's tokens and per-round acceptance
+    lengths are `tree_decoder.tree_generate`'s, one request at a time (same trees, same accepted
+    paths, the drafter fed the same context)."""
+    target, drafter, prompts = demo
+    engine = tree_engine(TorchBackend(target, drafter), ModelInfo.from_models(target, drafter), mode="fixed",
+                         slots=6, nodes=10, top_k=3)
+    ids = [engine.submit(p, max_new_tokens=30) for p in prompts]
+    finished = engine.run_until_done()
+    for i, prompt in zip(ids, prompts, strict=True):
+        one = tree_generate(target, drafter, prompt, max_new_tokens=30, num_nodes=10, top_k=3)
+        assert finished[i].acceptance_lengths == [r.acceptance_length for r in one.rounds]
+        assert finished[i].tokens == one.tokens[:30]
 
 
 def test_a_drafter_without_heads_grows_trees_from_its_base_logits():
