@@ -169,3 +169,14 @@ def test_a_killed_replica_fails_its_streams_clearly_and_the_survivor_serves(clus
     while not (after := replicas(url))["dspark-engine-1"]["up"] and time.monotonic() < deadline:
         time.sleep(0.2)
     assert after["dspark-engine-1"]["up"] and after["dspark-engine-1"]["pid"] != victim["pid"]
+
+
+def test_serve_run_target_names_what_is_wrong_with_its_arguments():
+    from dspark.runtime.cluster.deploy import app_builder
+
+    with pytest.raises(ValueError, match="engine=DIR is required"):
+        app_builder({"replicas": "2"})
+    with pytest.raises(ValueError, match="unknown argument.*replica_count"):
+        app_builder({"engine": "/x", "replica_count": "2"})
+    with pytest.raises(ValueError, match="unknown routing policy 'random'"):
+        app_builder({"engine": "/x", "routing": "random"})

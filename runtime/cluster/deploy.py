@@ -16,6 +16,8 @@ on its own ledger plus the replicas' reports.
 
 from __future__ import annotations
 
+import asyncio
+from pathlib import Path
 from typing import Any
 
 from ray import serve
@@ -86,8 +88,6 @@ def _plain(values: dict[str, Any]) -> dict[str, Any]:
 
 
 async def _gather_texts(pending: dict[str, Any]) -> dict[str, bytes]:
-    import asyncio
-
     async def one(response: Any) -> bytes | None:
         try:
             return await asyncio.wait_for(response, METRICS_TIMEOUT)
@@ -136,8 +136,6 @@ def app_builder(args: dict[str, str]) -> Application:
                              max_requests=int(args.get("max_requests", 64)),
                              max_seq_len=int(args.get("max_seq_len", 1024)))
     spec = EngineSpec(engine_dir=args["engine"], options=options, threads=int(args.get("threads", 1)))
-    from pathlib import Path
-
     config = ServerConfig(model_name=args.get("model_name") or Path(args["engine"]).resolve().name,
                           api_key=args.get("api_key"),
                           max_tokens_per_request=int(args.get("max_tokens_per_request", 512)))
