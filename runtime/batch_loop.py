@@ -24,7 +24,7 @@ import itertools
 import time
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -42,25 +42,13 @@ from .prefix_scheduler import Decision, SchedulerConfig, StepScheduler
 from .proposer import DraftBlock
 from .recovery.resume import resumed_generator, resumed_tokens
 from .recovery.snapshot import RequestSnapshot
+from .request_state import RunningRequest
 from .requests import find_stop, stop_set, validate_request
 from .sampling import sample_rows
 from .stats import EngineStats, RequestResult, StepRecord
 from .step_batch import StepBatch
 from .target_runner import TargetRunner, kv_mode_for
 from .tree_step import TreeStepper
-
-
-@dataclass
-class _Active:
-    result: RequestResult
-    max_new_tokens: int
-    temperature: float
-    stop: frozenset[int]
-    generator: torch.Generator | None
-    start: int = 0  # anchor position = committed target KV length
-    anchor: int = 0
-    scanned: int = 0  # output tokens already searched for a stop token
-    pending: list[np.ndarray] = field(default_factory=list)  # [n, F] context rows the drafter has not seen
 
 
 def _phase(seconds: dict[str, float], name: str, begin: float) -> float:
@@ -107,8 +95,8 @@ class BatchEngine:
         self.target = TargetRunner(backend, info, self.target_kv, self.kv_mode, max_width=info.block_size + 1)
         self.drafter = DrafterRunner(backend, info, self.drafter_kv)
         self.trees = TreeStepper(self) if scheduler.drafting == "tree" else None  # draft trees (tree_step)
-        self.queue: deque[_Active] = deque()
-        self.active: list[_Active] = []  # row r of both caches belongs to active[r]
+        self.queue: deque[RunningRequest] = deque()
+        self.active: list[RunningRequest] = []  # row r of both caches belongs to active[r]
         self.finished: dict[int, RequestResult] = {}  # until handed off by take_finished / take_result
         self.tiers = host_tier  # where running requests' KV goes under slot pressure (kv_tiers); None: they wait
         self.stats = EngineStats(history=step_history)
@@ -134,15 +122,16 @@ class BatchEngine:
         stop = stop_set(stop_token_ids, self.info.vocab_size)
         self.admission.check_servable(self.positions_needed(len(prompt), max_new_tokens))
         tokens, generator = [], torch.Generator().manual_seed(seed) if temperature > 0 else None
-        rounds: tuple[list[int], list[int]] = ([], [])
+        rounds, fed = ([], []), 0
         if resume_from is not None:
             tokens = resumed_tokens(resume_from, self.info.vocab_size, max_new_tokens)
             generator = resumed_generator(resume_from, temperature, seed)
             rounds = (list(resume_from.acceptance_lengths), list(resume_from.proposal_lengths))
-        request_id = next(self._ids)
-        result = RequestResult(request_id, prompt, tokens, *rounds, submitted_step=self._step)
-        self.queue.append(_Active(result, max_new_tokens, float(temperature), stop, generator, scanned=len(tokens)))
-        return request_id
+            fed = max(len(prompt) + len(tokens) - 1 - resume_from.backlog, 0) if tokens else 0
+        result = RequestResult(next(self._ids), prompt, tokens, *rounds, submitted_step=self._step)
+        self.queue.append(RunningRequest(result, max_new_tokens, float(temperature), stop, generator,
+                                         scanned=len(tokens), fed=fed))
+        return result.request_id
 
     def positions_needed(self, prompt_len: int, max_new_tokens: int) -> int:
         """KV positions a request reserves: committed positions never exceed prompt + max_new + one
@@ -217,7 +206,7 @@ class BatchEngine:
         block, plan = None, None
         drafting = np.arange(rows) if self.scheduler.needs_drafts else np.arange(0)  # rows that draft
         if self.gate is not None:
-            plan = self.gate.plan(np.fromiter((sum(len(c) for c in a.pending) for a in active), np.int64, rows))
+            plan = self.gate.plan(np.fromiter((a.backlog for a in active), np.int64, rows))
             drafting = plan.rows
         if len(drafting):
             block = self._propose(drafting, anchors, starts, temperatures, generators, seconds, begin)
@@ -272,7 +261,7 @@ class BatchEngine:
         out = self.drafter.draft(anchors[drafting], starts[drafting], [active[r].pending for r in drafting],
                                  None if every else drafting)
         for r in drafting:
-            active[r].pending = []
+            active[r].pending, active[r].fed = [], 0
         begin = _phase(seconds, "draft", begin)
         order = drafting[out.order]  # the active row of each drafted row
         block = self.drafter.propose(out.hidden, out.base_logits, anchors[order], [temperatures[r] for r in order],
@@ -294,7 +283,7 @@ class BatchEngine:
             logits[torch.from_numpy(order[sampled])] = source[sampled]
         return DraftBlock(tokens, logits, confidence)
 
-    def _admit(self) -> list[_Active]:
+    def _admit(self) -> list[RunningRequest]:
         new = []
         while self.queue:
             request = self.queue[0]
@@ -307,7 +296,7 @@ class BatchEngine:
             new.append(request)
         return new
 
-    def _prefill(self, new: list[_Active]) -> None:
+    def _prefill(self, new: list[RunningRequest]) -> None:
         first_row = len(self.active)
         # a resumed request's KV is rebuilt from prompt + committed tokens; its last token is its anchor
         batch = StepBatch.prompts([a.result.prompt_ids + a.result.tokens[:-1] for a in new])

@@ -27,6 +27,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .request_state import RunningRequest
+
 if TYPE_CHECKING:
     from .batch_loop import BatchEngine
 
@@ -35,7 +37,7 @@ if TYPE_CHECKING:
 class Swapped:
     """A request in the host tier: its engine state and copies of its committed KV prefixes."""
 
-    request: Any  # the engine's per-request state (batch_loop._Active)
+    request: RunningRequest
     need: int  # positions it reserves
     since: int  # the engine step it was swapped out at
     target: list[np.ndarray]  # per buffer [kvh, length, hd]
@@ -67,7 +69,7 @@ class HostTier:
     def held_tokens(self) -> int:
         return sum(s.need for s in self.swapped)
 
-    def requests(self) -> list[Any]:
+    def requests(self) -> list[RunningRequest]:
         return [s.request for s in self.swapped]
 
     # -- policy ------------------------------------------------------------------------------------
@@ -136,7 +138,7 @@ class HostTier:
         self._resident_since[rid] = engine.steps_run
         self._count(swapped.target + swapped.drafter, begin, out=False)
 
-    def take(self, request_id: int) -> Any | None:
+    def take(self, request_id: int) -> RunningRequest | None:
         """Remove a swapped-out request (cancelled) and return its engine state, or None if not here."""
         for i, s in enumerate(self.swapped):
             if s.request.result.request_id == request_id:

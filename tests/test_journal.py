@@ -5,8 +5,11 @@ run's tokens (greedy and seeded sampling, Algorithm 1 over the same batch)."""
 from __future__ import annotations
 
 import pytest
-from test_serving_support import tiny_runtime
+from test_serving_support import tiny_pair, tiny_runtime
 
+from dspark.runtime.api import Runtime, RuntimeOptions
+from dspark.runtime.prefix_scheduler import SchedulerConfig
+from dspark.runtime.recovery.engine_state import engine_state, restore_engine_state
 from dspark.runtime.recovery.framing import frame, scan
 from dspark.runtime.recovery.journal import JournalError, JournalStore
 from dspark.runtime.recovery.recorder import StepRecorder
@@ -15,7 +18,7 @@ from dspark.runtime.requests import RequestError
 
 REQUESTS = [([5, 6, 7, 8], 0.0, 0), ([9, 10, 11], 1.0, 3), ([20, 21, 22, 23, 24], 0.8, 5), ([1, 2], 1.2, 9),
             ([30, 31, 32], 0.0, 1)]
-MAX_NEW = 40
+MAX_NEW = 32
 
 
 def test_frames_keep_every_whole_record_around_damage():
@@ -103,9 +106,30 @@ def test_bad_snapshots_are_refused():
         resumed_generator(RequestSnapshot(spec, [1], rng_state=b"\x00" * 7), 1.0, 0)
 
 
-@pytest.fixture(scope="module")
-def runtime(tmp_path_factory):
-    with tiny_runtime(tmp_path_factory.mktemp("journal")) as rt:
+class DearDrafting:
+    """A split cost under which drafting never pays: the drafting gate skips, and every 16 steps probes the
+    4 rows with the smallest backlogs, so which rows draft (and what a sampled row draws) depends on the
+    gate's state and the backlogs."""
+
+    def draft_seconds(self, requests: int) -> float:
+        return 1.0 * requests
+
+    def verify_seconds(self, requests: int, tokens):
+        return 1e-3 + 1e-4 * tokens
+
+    def seconds(self, requests: int, tokens):
+        return self.draft_seconds(requests) + self.verify_seconds(requests, tokens)
+
+
+@pytest.fixture(scope="module", params=["plain", "gated"])
+def runtime(request, tmp_path_factory):
+    root = tmp_path_factory.mktemp("journal")
+    if request.param == "plain":
+        with tiny_runtime(root) as rt:
+            yield rt
+        return
+    options = RuntimeOptions(scheduler=SchedulerConfig(), max_requests=8, max_seq_len=128, live_cost=False)
+    with Runtime.from_checkpoints(*tiny_pair(root), options, cost_model=DearDrafting()) as rt:
         yield rt
 
 
@@ -113,6 +137,7 @@ def _run(runtime, kill_after: int | None) -> dict[str, tuple[list[int], list[int
     """Every request's (tokens, acceptance lengths); with `kill_after`, the engine is dropped after that many
     steps and a fresh one continues from the store's snapshots alone."""
     engine, store = runtime.engine(), MemoryStore()
+    assert (engine.gate is not None) == isinstance(runtime.cost_model, DearDrafting)
     recorder = StepRecorder(store)
     keys = {}
     for i, (prompt, temperature, seed) in enumerate(REQUESTS):
@@ -120,7 +145,7 @@ def _run(runtime, kill_after: int | None) -> dict[str, tuple[list[int], list[int
         store.submitted(spec)
         keys[engine.submit(prompt, max_new_tokens=MAX_NEW, temperature=temperature, seed=seed)] = spec.key
         recorder.track(next(reversed(keys)), spec.key)
-    out, steps = {}, 0
+    out, steps, killed = {}, 0, False
     while not engine.idle:
         engine.step()
         steps += 1
@@ -135,11 +160,30 @@ def _run(runtime, kill_after: int | None) -> dict[str, tuple[list[int], list[int
                 s = snap.spec
                 keys[engine.submit(s.prompt_ids, max_new_tokens=s.max_new_tokens, temperature=s.temperature,
                                    seed=s.seed, resume_from=snap)] = s.key
+            assert restore_engine_state(engine, recovered.engine_state) is None
+            killed = True
+    assert killed or kill_after is None, "the run ended before the kill"
     return out
 
 
-@pytest.mark.parametrize("kill_after", [1, 4])
-def test_resumed_engine_gives_the_uninterrupted_tokens(runtime, kill_after):
-    whole = _run(runtime, None)
-    resumed = _run(runtime, kill_after)
-    assert resumed == whole  # every request, greedy and sampled, tokens and rounds alike
+@pytest.fixture(scope="module")
+def whole(runtime):
+    return _run(runtime, None)
+
+
+@pytest.mark.parametrize("when", ["first step", "later"])
+def test_resumed_engine_gives_the_uninterrupted_tokens(runtime, whole, when):
+    """Later: step 4 of ~8 (plain); step 20 of ~32 (gated: after the gate's second probe, mid-skip)."""
+    kill_after = 1 if when == "first step" else 20 if isinstance(runtime.cost_model, DearDrafting) else 4
+    assert _run(runtime, kill_after) == whole  # every request, greedy and sampled, tokens and rounds alike
+
+
+def test_engine_state_refuses_a_gate_of_another_shape(runtime):
+    engine = runtime.engine()
+    if engine.gate is None:
+        assert engine_state(engine) is None and restore_engine_state(engine, b"x" * 32) is None
+        return
+    engine.gate.pool.append(engine.gate.prior)
+    state = engine_state(engine)
+    assert restore_engine_state(runtime.engine(), state) is None
+    assert "does not fit" in restore_engine_state(runtime.engine(), state[:-4])

@@ -12,7 +12,7 @@ from test_serving_support import tiny_runtime
 from dspark.runtime.kv_tiers import HostTier
 
 REQUESTS = [([5 + i, 6, 7, 8 + i], 0.0 if i % 2 == 0 else 1.0, i) for i in range(6)]
-MAX_NEW = 48
+MAX_NEW = 32
 
 
 @pytest.fixture(scope="module")
@@ -39,8 +39,15 @@ def _run(runtime, slots: int, host: HostTier | None, cancel_swapped: bool = Fals
     return {i: done[i].tokens for i in ids if i != cancelled}, held, cancelled
 
 
-def test_swapping_holds_more_requests_with_identical_outputs(runtime):
-    expected, held_wide, _ = _run(runtime, 6, None)
+@pytest.fixture(scope="module")
+def wide(runtime):
+    """A slot for every request: (outputs, requests held at once)."""
+    outputs, held, _ = _run(runtime, 6, None)
+    return outputs, held
+
+
+def test_swapping_holds_more_requests_with_identical_outputs(runtime, wide):
+    expected, held_wide = wide
     waiting, held_narrow, _ = _run(runtime, 2, None)
     host = HostTier(host_tokens=4 * 72, quantum=2)
     swapped, held_tiered, _ = _run(runtime, 2, host)
@@ -49,8 +56,8 @@ def test_swapping_holds_more_requests_with_identical_outputs(runtime):
     assert host.stats.swaps_out == host.stats.swaps_in > 0 and not host.swapped
 
 
-def test_cancelling_a_swapped_out_request(runtime):
-    expected, _, _ = _run(runtime, 6, None)
+def test_cancelling_a_swapped_out_request(runtime, wide):
+    expected = wide[0]
     host = HostTier(host_tokens=4 * 72, quantum=2)
     rest, _, cancelled = _run(runtime, 2, host, cancel_swapped=True)
     assert cancelled is not None and rest == {i: t for i, t in expected.items() if i != cancelled}

@@ -113,7 +113,9 @@ class JournalStore:
                 self._name(spec.key, jid)
                 self.table.submit(spec)
             elif kind == _STEP:
-                step, progress, finished = self._decode_step(payload)
+                step, progress, finished, engine_state = self._decode_step(payload)
+                if engine_state is not None:
+                    self.table.engine_state = engine_state
                 for p in progress:
                     self.table.progress(step, p)
                 for f in finished:
@@ -129,8 +131,11 @@ class JournalStore:
         self.table.submit(spec)
         self._append(_SUBMIT + json.dumps({"id": jid, **asdict(spec)}, separators=(",", ":")).encode())
 
-    def stepped(self, step: int, progress: Sequence[Progress], finished: Sequence[Finished]) -> None:
-        self._append(self._encode_step(step, progress, finished))
+    def stepped(self, step: int, progress: Sequence[Progress], finished: Sequence[Finished],
+                engine_state: bytes | None = None) -> None:
+        self._append(self._encode_step(step, progress, finished, engine_state))
+        if engine_state is not None:
+            self.table.engine_state = engine_state
         for p in progress:
             self.table.progress(step, p)
         for f in finished:
@@ -151,27 +156,29 @@ class JournalStore:
         os.close(self._lock_fd)
 
     # -- encoding ------------------------------------------------------------------------------------
-    def _encode_step(self, step: int, progress: Sequence[Progress], finished: Sequence[Finished]) -> bytes:
+    def _encode_step(self, step: int, progress: Sequence[Progress], finished: Sequence[Finished],
+                     engine_state: bytes | None = None) -> bytes:
         states = [p.rng_state or b"" for p in progress]
-        head = {"s": step,
-                "p": [[self._ids[p.key], p.first, p.tokens, p.acceptance_lengths, p.proposal_lengths, len(r)]
-                      for p, r in zip(progress, states, strict=True)],
+        head = {"s": step, "e": len(engine_state or b""),
+                "p": [[self._ids[p.key], p.first, p.tokens, p.acceptance_lengths, p.proposal_lengths, len(r),
+                       p.backlog] for p, r in zip(progress, states, strict=True)],
                 "f": [[self._ids[f.key], f.tokens, f.reason, f.acceptance_lengths, f.proposal_lengths]
                       for f in finished]}
         header = json.dumps(head, separators=(",", ":")).encode()
-        return b"".join((_STEP, _LEN.pack(len(header)), header, *states))
+        return b"".join((_STEP, _LEN.pack(len(header)), header, *states, engine_state or b""))
 
-    def _decode_step(self, payload: bytes) -> tuple[int, list[Progress], list[Finished]]:
+    def _decode_step(self, payload: bytes) -> tuple[int, list[Progress], list[Finished], bytes | None]:
         (size,) = _LEN.unpack_from(payload, 1)
         head = json.loads(payload[5 : 5 + size])
         pos, progress = 5 + size, []
-        for jid, first, tokens, acc, prop, n in head["p"]:
+        for jid, first, tokens, acc, prop, n, backlog in head["p"]:
             state = payload[pos : pos + n] if n else None
             pos += n
-            progress.append(Progress(self._keys[jid], first, tokens, acc, prop, state))
+            progress.append(Progress(self._keys[jid], first, tokens, acc, prop, state, backlog))
         finished = [Finished(self._keys[jid], tokens, reason, acc, prop)
                     for jid, tokens, reason, acc, prop in head["f"]]
-        return head["s"], progress, finished
+        engine_state = payload[pos : pos + head["e"]] if head["e"] else None
+        return head["s"], progress, finished, engine_state
 
     def _name(self, key: str, jid: int | None) -> int:
         jid = self._next_id if jid is None else jid
@@ -219,8 +226,11 @@ class JournalStore:
                                 snap.proposal_lengths)
                 frames.append(frame(self._encode_step(snap.step, [], [done])))
             elif snap.tokens:
-                p = Progress(spec.key, 0, snap.tokens, snap.acceptance_lengths, snap.proposal_lengths, snap.rng_state)
+                p = Progress(spec.key, 0, snap.tokens, snap.acceptance_lengths, snap.proposal_lengths, snap.rng_state,
+                             snap.backlog)
                 frames.append(frame(self._encode_step(snap.step, [p], [])))
+        if self.table.engine_state is not None:
+            frames.append(frame(self._encode_step(-1, [], [], self.table.engine_state)))
         tmp = path.with_suffix(".tmp")
         data = b"".join(frames)
         with open(tmp, "wb") as f:

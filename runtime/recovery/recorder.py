@@ -9,6 +9,7 @@ import torch
 
 from ..batch_loop import BatchEngine
 from ..stats import RequestResult
+from .engine_state import engine_state
 from .snapshot import Finished, Progress, SnapshotStore
 
 
@@ -40,12 +41,12 @@ class StepRecorder:
             if len(result.tokens) <= n:
                 continue
             progress.append(Progress(key, n, result.tokens[n:], result.acceptance_lengths[rounds:],
-                                     result.proposal_lengths[rounds:], rng_state(a.generator)))
+                                     result.proposal_lengths[rounds:], rng_state(a.generator), a.backlog))
             seen[1], seen[2] = len(result.tokens), len(result.acceptance_lengths)
         finished = [self._finished(self._seen.pop(rid)[0], result)
                     for rid, result in done.items() if rid in self._seen]
         if progress or finished:
-            self.store.stepped(engine.steps_run, progress, finished)
+            self.store.stepped(engine.steps_run, progress, finished, engine_state(engine) if progress else None)
 
     def failed(self, engine_id: int, result: RequestResult) -> None:
         """A request that ended outside a normal step (its step raised): recorded as finished."""

@@ -43,6 +43,7 @@ class Progress:
     acceptance_lengths: list[int]  # rounds since the last record
     proposal_lengths: list[int]
     rng_state: bytes | memoryview | None  # the sampler's state after the step (None: greedy)
+    backlog: int = 0  # context rows its drafter has not seen (the drafting gate prices them)
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,7 @@ class RequestSnapshot:
     proposal_lengths: list[int] = field(default_factory=list)
     rng_state: bytes | memoryview | None = None
     step: int = -1  # the engine step of the last record (-1: never stepped)
+    backlog: int = 0
     finish_reason: str | None = None
     broken: bool = False  # a record of it was lost: it continues from the last whole one
 
@@ -73,6 +75,7 @@ class Recovered:
     running: list[RequestSnapshot]  # to resume, in submission order
     finished: list[RequestSnapshot]  # kept so a reconnecting client can read its stream's end
     problems: list[str]  # one line per damaged stretch or lost record (empty: all whole)
+    engine_state: bytes | None = None  # the engine's own scheduling state after the last step (`engine_state`)
 
 
 class SnapshotStore(Protocol):
@@ -83,7 +86,8 @@ class SnapshotStore(Protocol):
 
     def submitted(self, spec: RequestSpec) -> None: ...
 
-    def stepped(self, step: int, progress: Sequence[Progress], finished: Sequence[Finished]) -> None: ...
+    def stepped(self, step: int, progress: Sequence[Progress], finished: Sequence[Finished],
+                engine_state: bytes | None = None) -> None: ...
 
     def close(self) -> None: ...
 
@@ -96,6 +100,7 @@ class SnapshotTable:
         self.finished: OrderedDict[str, RequestSnapshot] = OrderedDict()
         self.keep_finished = keep_finished
         self.problems: list[str] = []
+        self.engine_state: bytes | None = None
 
     def submit(self, spec: RequestSpec) -> None:
         self.finished.pop(spec.key, None)
@@ -113,7 +118,7 @@ class SnapshotTable:
         snap.tokens += p.tokens
         snap.acceptance_lengths += p.acceptance_lengths
         snap.proposal_lengths += p.proposal_lengths
-        snap.rng_state, snap.step = p.rng_state, step
+        snap.rng_state, snap.step, snap.backlog = p.rng_state, step, p.backlog
 
     def finish(self, step: int, f: Finished) -> None:
         snap = self.running.pop(f.key, None)
@@ -127,7 +132,8 @@ class SnapshotTable:
             self.finished.popitem(last=False)
 
     def recovered(self) -> Recovered:
-        return Recovered(list(self.running.values()), list(self.finished.values()), list(self.problems))
+        return Recovered(list(self.running.values()), list(self.finished.values()), list(self.problems),
+                         self.engine_state if self.running else None)
 
 
 class MemoryStore:
@@ -143,7 +149,10 @@ class MemoryStore:
     def submitted(self, spec: RequestSpec) -> None:
         self.table.submit(spec)
 
-    def stepped(self, step: int, progress: Sequence[Progress], finished: Sequence[Finished]) -> None:
+    def stepped(self, step: int, progress: Sequence[Progress], finished: Sequence[Finished],
+                engine_state: bytes | None = None) -> None:
+        if engine_state is not None:
+            self.table.engine_state = engine_state
         for p in progress:
             self.table.progress(step, p)
         for f in finished:

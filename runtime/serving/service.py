@@ -25,6 +25,7 @@ from dataclasses import replace
 
 from ..api import Runtime, Stop, finish_at_stop_strings
 from ..batch_loop import BatchEngine
+from ..recovery.engine_state import restore_engine_state
 from ..recovery.service_journal import ServiceJournal
 from ..recovery.snapshot import RequestSnapshot, SnapshotStore
 from ..requests import RequestError, stop_set, validate_request
@@ -77,6 +78,8 @@ class EngineService:
         self.recovered = self.journal.store.recover() if self.journal is not None else None
         for snapshot in [*self.recovered.finished, *self.recovered.running] if self.recovered is not None else ():
             self._resume(snapshot)
+        if self.recovered is not None and (problem := restore_engine_state(self.engine, self.recovered.engine_state)):
+            self.recovered.problems.append(problem)
         self._snapshot = self._measure()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="dspark-engine-loop", daemon=True)

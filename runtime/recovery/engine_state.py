@@ -1,0 +1,45 @@
+"""The engine's own scheduling state that a request's draws depend on, saved beside the snapshots: the
+drafting gate's pool of recent survival rows and its count of steps without drafting. Restored with the
+requests' backlogs (`RunningRequest.fed`), the resumed engine's gate plans the steps the dead one would
+have, so a seeded sampled request takes the same draws. (A live cost model learns from timings and the
+async scheduler keeps confidences of earlier steps: neither is saved; with either, sampled requests are
+not reproducible by seed even without a restart.)"""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+
+from ..batch_loop import BatchEngine
+
+_HEAD = struct.Struct("<4sIII")  # dtype code, skipped, rows, width
+_DTYPE_CODES = {"<f4": b"f4\0\0", "<f8": b"f8\0\0"}
+
+
+def engine_state(engine: BatchEngine) -> bytes | None:
+    gate = engine.gate
+    if gate is None:
+        return None
+    pool = np.stack(gate.pool) if gate.pool else np.zeros((0, engine.info.block_size), np.float32)
+    code = _DTYPE_CODES.get(pool.dtype.str)
+    if code is None:
+        pool, code = pool.astype(np.float64), _DTYPE_CODES["<f8"]
+    return _HEAD.pack(code, gate.skipped, *pool.shape) + pool.tobytes()
+
+
+def restore_engine_state(engine: BatchEngine, state: bytes | None) -> str | None:
+    """Put a saved gate state into a fresh engine (nothing when either has no gate); a problem line when the
+    state does not fit it (the gate then starts from its prior, as a fresh engine's does)."""
+    gate = engine.gate
+    if gate is None or not state:
+        return None
+    code, skipped, rows, width = _HEAD.unpack_from(state) if len(state) >= _HEAD.size else (b"", 0, 0, 0)
+    dtype = next((d for d, c in _DTYPE_CODES.items() if c == code), None)
+    if dtype is None or width != engine.info.block_size or len(state) != _HEAD.size + rows * width * int(dtype[-1]):
+        return "the journal's drafting-gate state does not fit this engine (another model?); the gate starts afresh"
+    pool = np.frombuffer(state, dtype, rows * width, _HEAD.size).reshape(rows, width)
+    gate.pool.clear()
+    gate.pool.extend(row.copy() for row in pool)
+    gate.skipped, gate._candidates = skipped, None
+    return None
