@@ -40,12 +40,22 @@ _DIR = str  # checked by export_pair, whose CheckpointError names the folder and
     "fused-op target (GroupQueryAttention, KV in place) that the ORT runtime drives where present.",
 )
 @click.option("--no-check", is_flag=True, help="Skip the ONNX Runtime parity sweep.")
+@click.option("--stream-weights", is_flag=True, help="Real-size checkpoints in bounded memory: trace over "
+              "placeholder weights, stream them from the shards into external data (plain graphs, no parity).")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def export(
     target_dir: str, drafter_dir: str, out_dir: str, dtype: str, opset: int, flavours: str, no_check: bool,
-    quiet: bool,
+    quiet: bool, stream_weights: bool = False,
 ) -> None:
     """Export the target, drafter backbone and heads of a DSpark pair to ONNX."""
+    if stream_weights:
+        from dspark.export.streaming import export_pair_streaming
+
+        manifest = export_pair_streaming(target_dir, drafter_dir, out_dir, dtype=dtype, opset=opset,
+                                         progress=None if quiet else lambda m: click.echo(m, err=True))
+        click.echo(f"wrote {out_dir}/export.json in {manifest['export_seconds']:.1f} s, peak RSS "
+                   f"{manifest['export_peak_rss_bytes'] / 1e9:.2f} GB")
+        return
     manifest = export_pair(
         target_dir,
         drafter_dir,
