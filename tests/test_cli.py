@@ -68,7 +68,7 @@ def test_export_and_build_engine_are_the_console_scripts_commands(monkeypatch, c
 
 @pytest.mark.parametrize(("args", "listed"), [
     (["export", "--help"], "[float32|float16|bfloat16]"),
-    (["build-engine", "--help"], "[onnxruntime|tensorrt]"),
+    (["build-engine", "--help"], "[onnxruntime|tensorrt|tensorrt-rtx]"),
     (["generate", "--help"], "[dspark|async|fixed|threshold|off]"),
     (["generate", "--help"], "[concat|static]"),
 ])
