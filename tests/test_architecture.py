@@ -17,7 +17,8 @@ LAYER = {"tools": 4, "engines": 3, "runtime": 2, "export": 1, "models": 0, "plug
 SERVING = ("api", "batch_loop", "backend", "backend_registry", "ort_backend", "trt_backend", "kv_cache",
            "step_batch", "target_runner", "drafter_runner", "chain_verifier", "proposer", "prefix_scheduler",
            "rejection", "sampling", "requests", "stats", "trt_flavours", "kv_tiers", "recovery.framing",
-           "recovery.journal", "recovery.recorder", "recovery.resume", "recovery.service_journal", "recovery.snapshot")
+           "recovery.journal", "recovery.recorder", "recovery.resume", "recovery.service_journal", "recovery.snapshot",
+           "recovery.engine_state", "request_state")
 
 
 def dspark_imports(path: Path) -> set[str]:

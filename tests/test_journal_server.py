@@ -12,7 +12,7 @@ from test_journal_support import events, kill, start_server, token_ids, wait_hea
 from test_serving_support import free_socket, tiny_runtime
 
 CASES = [("def parse_args(", 0.0, 0), ("import os\n", 0.9, 7)]  # greedy, and sampled by seed
-MAX_TOKENS = 120
+MAX_TOKENS = 160
 
 
 def _free_port() -> int:

@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 
 TESTS = Path(__file__).resolve().parent
-STEP_DELAY = 0.03  # seconds added to each engine step in the server: a stream is still running when killed
+STEP_DELAY = 0.1  # seconds added to each engine step in the server: a stream is still running when killed
 
 
 def start_server(root: Path, journal: Path, port: int, log: Path) -> subprocess.Popen:

@@ -33,6 +33,9 @@ _LOOPBACK = ("127.0.0.1", "localhost", "::1")
               help="dspark: Algorithm 1; async: its §5.2 form, batch size from the confidences of two steps earlier.")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]))
+@click.option("--host-kv-tokens", default=0, show_default=True, type=click.IntRange(min=0),
+              help="KV positions a host tier holds for requests swapped out of the slots under pressure (0: none; "
+                   "requests then wait for a slot).")
 @click.option("--journal", "journal_dir", type=click.Path(file_okay=False, path_type=str),
               help="Keep every request's snapshot here; restarted with the same directory, the server resumes the "
                    "requests it was running, and clients reconnect with Last-Event-ID (docs/recovery.md).")
@@ -51,7 +54,7 @@ _LOOPBACK = ("127.0.0.1", "localhost", "::1")
               help="With --replicas: Ray CPUs each engine replica reserves.")
 def serve(engine_dir, host, port, api_key, max_queue, max_tokens_per_request, max_requests, max_seq_len,
           max_body_bytes, model_name, scheduler, log_level, replicas, routing, ray_address, cpus_per_replica,
-          journal_dir, journal_fsync) -> None:
+          journal_dir, journal_fsync, host_kv_tokens) -> None:
     """Serve /v1/completions and /v1/chat/completions (OpenAI protocol), /metrics and /dashboard."""
     try:
         import uvicorn  # noqa: F401 - fail now, with the fix, not after loading the engine
@@ -73,7 +76,8 @@ def serve(engine_dir, host, port, api_key, max_queue, max_tokens_per_request, ma
     model_name = model_name or Path(engine_dir).resolve().name
     if host not in _LOOPBACK and api_key is None:
         click.echo(f"dspark serve: warning: listening on {host} without --api-key", err=True)
-    options = RuntimeOptions(scheduler=SchedulerConfig(scheduler), max_requests=max_requests, max_seq_len=max_seq_len)
+    options = RuntimeOptions(scheduler=SchedulerConfig(scheduler), max_requests=max_requests, max_seq_len=max_seq_len,
+                             host_kv_tokens=host_kv_tokens)
     if replicas:
         from dspark.runtime.cluster.launch import serve_replicas
         from dspark.runtime.cluster.replica import EngineSpec
