@@ -63,8 +63,9 @@ def _quantize_options(quantize, quantize_drafter: bool, quant_block_size: int, q
 @click.option("--quantize-drafter", is_flag=True, help="With --quantize: the drafter's graphs too.")
 @click.option("--quant-block-size", default=32, show_default=True, type=int,
               help="With --quantize: weights per scale along the input dimension.")
-@click.option("--quant-accuracy-level", default=4, show_default=True, type=click.IntRange(0, 4),
-              help="With --quantize: MatMulNBits accuracy_level (4: int8 activations inside the kernel).")
+@click.option("--quant-accuracy-level", default=0, show_default=True, type=click.IntRange(0, 4),
+              help="With --quantize: MatMulNBits accuracy_level (0: float32 activations, row-count "
+              "independent; 4: int8 activations, faster, results move with the tokens per call).")
 @click.option("--quiet", is_flag=True, help="No progress lines.")
 def build_engine(export_dir, out_dir, backend, compute_capabilities, buckets, max_batch_tokens, max_batch,
                  max_seq_len, threads, profile_past, repeats, calibrate_data, tokenizer, reprofile, quiet,
