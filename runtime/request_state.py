@@ -29,4 +29,4 @@ class RunningRequest:
 
     @property
     def backlog(self) -> int:
-        return sum(len(c) for c in self.pending) - self.fed
+        return sum(map(len, self.pending)) - self.fed

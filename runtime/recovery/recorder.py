@@ -31,18 +31,19 @@ class StepRecorder:
 
     def record(self, engine: BatchEngine, done: Mapping[int, RequestResult]) -> None:
         """After a step, before any client hears of it: the running rows' deltas and the finished results."""
-        progress = []
-        for a in engine.active:
-            seen = self._seen.get(a.result.request_id)
+        progress, seen_of = [], self._seen.get
+        for a in engine.active:  # the hot path: 64 rows a step
+            result = a.result
+            seen = seen_of(result.request_id)
             if seen is None:
                 continue
             key, n, rounds = seen
-            result = a.result
-            if len(result.tokens) <= n:
+            tokens, accepted = result.tokens, result.acceptance_lengths
+            if len(tokens) <= n:
                 continue
-            progress.append(Progress(key, n, result.tokens[n:], result.acceptance_lengths[rounds:],
-                                     result.proposal_lengths[rounds:], rng_state(a.generator), a.backlog))
-            seen[1], seen[2] = len(result.tokens), len(result.acceptance_lengths)
+            progress.append(Progress(key, n, tokens[n:], accepted[rounds:], result.proposal_lengths[rounds:],
+                                     rng_state(a.generator), a.backlog))
+            seen[1], seen[2] = len(tokens), len(accepted)
         finished = [self._finished(self._seen.pop(rid)[0], result)
                     for rid, result in done.items() if rid in self._seen]
         if progress or finished:

@@ -33,7 +33,7 @@ class RequestSpec:
     context: dict[str, Any] = field(default_factory=dict)  # the front end's own fields, JSON-able
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # made 64 times a step: slots, not frozen (a frozen init costs ~3x)
 class Progress:
     """One request's change over one step: tokens first.. (and its rounds), then its RNG state."""
 
@@ -46,7 +46,7 @@ class Progress:
     backlog: int = 0  # context rows its drafter has not seen (the drafting gate prices them)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Finished:
     key: str
     tokens: list[int]  # the final output
