@@ -113,13 +113,7 @@ class JournalStore:
                 self._name(spec.key, jid)
                 self.table.submit(spec)
             elif kind == _STEP:
-                step, progress, finished, engine_state = self._decode_step(payload)
-                if engine_state is not None:
-                    self.table.engine_state = engine_state
-                for p in progress:
-                    self.table.progress(step, p)
-                for f in finished:
-                    self.table.finish(step, f)
+                self.table.step(*self._decode_step(payload))
             else:
                 raise ValueError(f"unknown record kind {kind!r}")
         except (ValueError, TypeError, KeyError) as exc:  # a whole frame this version cannot read
@@ -134,12 +128,8 @@ class JournalStore:
     def stepped(self, step: int, progress: Sequence[Progress], finished: Sequence[Finished],
                 engine_state: bytes | None = None) -> None:
         self._append(self._encode_step(step, progress, finished, engine_state))
-        if engine_state is not None:
-            self.table.engine_state = engine_state
-        for p in progress:
-            self.table.progress(step, p)
+        self.table.step(step, progress, finished, engine_state)
         for f in finished:
-            self.table.finish(step, f)
             self._forget(f.key)
         if self._size > self.segment_bytes:
             self._rewrite([self._path(self._seq)], [])

@@ -131,6 +131,16 @@ class SnapshotTable:
         while len(self.finished) > self.keep_finished:
             self.finished.popitem(last=False)
 
+    def step(self, step: int, progress: Sequence[Progress], finished: Sequence[Finished],
+             engine_state: bytes | None = None) -> None:
+        """One engine step's records."""
+        if engine_state is not None:
+            self.engine_state = engine_state
+        for p in progress:
+            self.progress(step, p)
+        for f in finished:
+            self.finish(step, f)
+
     def recovered(self) -> Recovered:
         return Recovered(list(self.running.values()), list(self.finished.values()), list(self.problems),
                          self.engine_state if self.running else None)
@@ -151,12 +161,7 @@ class MemoryStore:
 
     def stepped(self, step: int, progress: Sequence[Progress], finished: Sequence[Finished],
                 engine_state: bytes | None = None) -> None:
-        if engine_state is not None:
-            self.table.engine_state = engine_state
-        for p in progress:
-            self.table.progress(step, p)
-        for f in finished:
-            self.table.finish(step, f)
+        self.table.step(step, progress, finished, engine_state)
 
     def close(self) -> None:
         pass
