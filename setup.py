@@ -10,25 +10,28 @@ from pathlib import Path
 from setuptools import setup
 
 SUBPACKAGES = ("models", "export", "engines", "runtime", "plugins", "tools")
-PLUGIN_OPS = ("tree_attention_mask", "tree_accept")
+ROOT = Path(__file__).parent
+
+
+def _packages() -> list[str]:
+    """Every folder with an __init__.py below the stage folders, found rather than listed (a
+    listed one was once forgotten and the installed package lacked it)."""
+    found = ["dspark"]
+    for top in SUBPACKAGES:
+        for init in sorted((ROOT / top).rglob("__init__.py")):
+            found.append(".".join(("dspark", *init.parent.relative_to(ROOT).parts)))
+    return found
+
 
 setup(
     name="dspark",
     version="0.1.0",
     description="Deployment compiler and runtime for DSpark speculative decoding",
-    long_description=(Path(__file__).parent / "README.md").read_text(encoding="utf-8"),
+    long_description=(ROOT / "README.md").read_text(encoding="utf-8"),
     long_description_content_type="text/markdown",
     license="MIT",
     python_requires=">=3.10",
-    packages=[
-        "dspark",
-        *(f"dspark.{name}" for name in SUBPACKAGES),
-        *(f"dspark.plugins.{op}" for op in PLUGIN_OPS),
-        "dspark.tools.bench",
-        "dspark.runtime.serving",
-        "dspark.runtime.capi",
-        "dspark.runtime.cluster",
-    ],
+    packages=_packages(),
     package_dir={"dspark": ".", **{f"dspark.{name}": name for name in SUBPACKAGES}},
     # The bundled demo pair (models/demo/{target,dspark,dflash}) ships inside dspark.models.
     # The plugin sources ship so that an installed dspark can build them (plugins/build.sh).
