@@ -16,6 +16,7 @@ from dspark.models import DSparkDrafter, TargetModel, load_pair
 from dspark.tools import corpus
 from dspark.tools.cli import main
 from dspark.tools.demo_training import Schedule, target_config_dict, train_target
+from dspark.tools.training_data import RandomWindows
 
 _DEFAULT_GOLDEN = Path(__file__).resolve().parents[1].parent / "shared" / "golden"
 GOLDEN = Path(os.environ.get("DSPARK_GOLDEN", _DEFAULT_GOLDEN))
@@ -55,8 +56,8 @@ def test_target_training_lowers_loss(tmp_path: Path) -> None:
     schedule = Schedule(steps=12, batch=4, seq_len=32, lr=1e-2, warmup=1)
     tokenizer_file = tmp_path / "tokenizer.json"
     tokenizer_file.write_text("{}")
-    train_target(stream, config, schedule, folder=tmp_path / "target", tokenizer_file=tokenizer_file,
-                 progress=False)
+    train_target(RandomWindows(stream, 4, 32, 0), config, schedule, folder=tmp_path / "target",
+                 tokenizer_file=tokenizer_file, progress=False)
     model = TargetModel.from_pretrained(tmp_path / "target")
     ids = stream[:33][None]
     with torch.no_grad():

@@ -8,6 +8,7 @@ against the same conditional events (σ(c_k) predicts "draft k survives given it
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -32,6 +33,25 @@ def heldout_prompts(
             start = span * i // per_module
             prompts.append(ids[start : start + prompt_len].tolist())
     return prompts
+
+
+@torch.no_grad()
+def heldout_loss(target: TargetModel, streams: Sequence[torch.Tensor], length: int = 256) -> dict[str, float]:
+    """Next-token cross-entropy (nats/token) and perplexity over non-overlapping windows of each
+    held-out module (a module's tail shorter than a window is scored as one shorter window)."""
+    total, count = 0.0, 0
+    target.eval()
+    for ids in streams:
+        for start in range(0, ids.numel() - 1, length):
+            window = ids[start : start + length + 1]
+            if window.numel() < 2:
+                continue
+            inputs = window[None, :-1]
+            logits = target(inputs, torch.arange(inputs.shape[1])[None]).logits[0]
+            total += float(torch.nn.functional.cross_entropy(logits, window[1:], reduction="sum"))
+            count += window.numel() - 1
+    loss = total / count
+    return {"tokens": count, "loss": round(loss, 4), "perplexity": round(math.exp(loss), 2)}
 
 
 def conditional_events(rounds: Sequence[RoundStats], gamma: int) -> list[tuple[int, float | None, bool]]:

@@ -1,6 +1,8 @@
 """Training loops for the demo pair: a Qwen3 target on stdlib source, then drafters against it.
 
-Each run is seeded, shows a tqdm progress bar and appends to `<out>/train.log`; the finished
+Each run is seeded, shows a tqdm progress bar, appends to `<out>/train.log` and can be resumed
+after an interruption from `<out>/checkpoint.pt` (written every `checkpoint_every` steps, deleted
+when the run finishes; batches depend only on the step, see `training_data.py`); the finished
 folder also holds `training.json` (arguments, steps, wall time, last losses). Targets are saved
 as Hugging Face folders; drafters in DeepSpec's format (config field names and parameter names
 as DeepSpec's `save_pretrained` writes them) without `embed_tokens`/`lm_head`, which DeepSpec
@@ -13,9 +15,10 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import shutil
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -30,7 +33,8 @@ from dspark.models import DrafterConfig, DSparkDrafter, TargetConfig, TargetMode
 from dspark.models.drafter import SHARED_WITH_TARGET
 from dspark.models.loss import LossWeights, dspark_loss
 from dspark.models.training import target_training_features, training_forward
-from dspark.tools.corpus import EOS_TOKEN, MASK_TOKEN, sample_windows
+from dspark.tools.corpus import EOS_TOKEN, MASK_TOKEN
+from dspark.tools.training_data import Batches, step_generator
 
 
 @dataclass(frozen=True)
@@ -42,6 +46,7 @@ class Schedule:
     warmup: int
     clip: float = 1.0
     seed: int = 0
+    checkpoint_every: int = 50
 
     def lr_at(self, step: int) -> float:
         """Linear warmup then cosine decay to 10% of the peak."""
@@ -181,6 +186,13 @@ def save_drafter(model: DSparkDrafter, folder: Path, config: dict[str, Any]) -> 
 
 
 # -- the loop --------------------------------------------------------------------------------
+CHECKPOINT = "checkpoint.pt"
+
+
+class ResumeError(RuntimeError):
+    """A checkpoint in the output folder belongs to a different run."""
+
+
 def _logger(folder: Path) -> logging.Logger:
     folder.mkdir(parents=True, exist_ok=True)
     logger = logging.getLogger(f"dspark.train.{folder.resolve()}")
@@ -192,6 +204,19 @@ def _logger(folder: Path) -> logging.Logger:
     return logger
 
 
+def _run_key(schedule: Schedule, desc: str) -> dict[str, Any]:
+    """What a checkpoint must match to be resumed (how often it is written may change)."""
+    key = asdict(schedule)
+    key.pop("checkpoint_every")
+    return {"desc": desc, "schedule": key}
+
+
+def _save_checkpoint(path: Path, state: dict[str, Any]) -> None:
+    partial = path.with_suffix(".partial")
+    torch.save(state, partial)
+    os.replace(partial, path)  # a kill mid-write leaves the previous checkpoint intact
+
+
 def run_steps(
     params: list[nn.Parameter],
     step_loss: Callable[[int], dict[str, torch.Tensor]],
@@ -200,17 +225,35 @@ def run_steps(
     folder: Path,
     desc: str,
     progress: bool = True,
+    resume: bool = True,
     log_every: int = 10,
 ) -> dict[str, Any]:
     """AdamW(0.9, 0.95) with warmup + cosine and gradient clipping. `step_loss(step)` returns
-    named losses; "total" is minimised. Returns the run summary written to training.json."""
+    named losses; "total" is minimised. Every `schedule.checkpoint_every` steps the parameters,
+    the optimizer and the loss record go to `<folder>/checkpoint.pt`; a later call with the same
+    schedule resumes from it (`resume=False` starts over), and the finished run deletes it.
+    Returns the run summary written to training.json."""
     logger = _logger(folder)
-    logger.info("start %s: %s", desc, json.dumps(asdict(schedule)))
     optimizer = torch.optim.AdamW(params, lr=schedule.lr, betas=(0.9, 0.95), weight_decay=0.0)
-    first: dict[str, float] = {}
-    recent: dict[str, float] = {}
-    began = time.perf_counter()
-    bar = tqdm(range(schedule.steps), desc=desc, disable=not progress, dynamic_ncols=True)
+    checkpoint = folder / CHECKPOINT
+    key = _run_key(schedule, desc)
+    start, first, recent, spent = 0, {}, {}, 0.0
+    if resume and checkpoint.is_file():
+        state = torch.load(checkpoint, weights_only=True)
+        if state["key"] != key:
+            raise ResumeError(f"{checkpoint} is from another run ({state['key']}, not {key}): delete it, "
+                              "or pass --no-resume to start over")
+        with torch.no_grad():
+            for param, saved in zip(params, state["params"], strict=True):
+                param.copy_(saved)
+        optimizer.load_state_dict(state["optimizer"])
+        start, first, recent, spent = state["step"], state["first"], state["recent"], state["seconds"]
+        logger.info("resume %s at step %d", desc, start)
+    else:
+        logger.info("start %s: %s", desc, json.dumps(asdict(schedule)))
+    began = time.perf_counter() - spent
+    bar = tqdm(range(start, schedule.steps), desc=desc, disable=not progress, dynamic_ncols=True,
+               initial=start, total=schedule.steps)
     for step in bar:
         for group in optimizer.param_groups:
             group["lr"] = schedule.lr_at(step)
@@ -228,8 +271,15 @@ def run_steps(
                 "step %d/%d lr %.2e %s elapsed %.0fs", step + 1, schedule.steps, schedule.lr_at(step),
                 " ".join(f"{k} {v:.4f}" for k, v in values.items()), time.perf_counter() - began,
             )
+        if (step + 1) % schedule.checkpoint_every == 0 and step + 1 < schedule.steps:
+            _save_checkpoint(checkpoint, {
+                "key": key, "step": step + 1, "params": [p.detach().clone() for p in params],
+                "optimizer": optimizer.state_dict(), "first": first, "recent": recent,
+                "seconds": time.perf_counter() - began,
+            })
     seconds = time.perf_counter() - began
     logger.info("done %s in %.1fs", desc, seconds)
+    checkpoint.unlink(missing_ok=True)
     return {
         "schedule": asdict(schedule),
         "wall_seconds": round(seconds, 1),
@@ -239,36 +289,30 @@ def run_steps(
     }
 
 
-def windows(stream: torch.Tensor, schedule: Schedule) -> Iterator[torch.Tensor]:
-    """Seeded random windows [batch, seq_len] of a token stream [N], one per step."""
-    generator = torch.Generator().manual_seed(schedule.seed)
-    while True:
-        yield sample_windows(stream, batch=schedule.batch, length=schedule.seq_len, generator=generator)
-
-
 def train_target(
-    stream: torch.Tensor,  # [N] training tokens
+    batches: Batches,
     config: dict[str, Any],
     schedule: Schedule,
     *,
     folder: Path,
     tokenizer_file: Path,
     progress: bool = True,
+    resume: bool = True,
 ) -> dict[str, Any]:
     torch.manual_seed(schedule.seed)
     model = TargetModel(TargetConfig.from_dict(config))
     init_weights(model)
     model.train()
-    batches = windows(stream, schedule)
 
     def step_loss(step: int) -> dict[str, torch.Tensor]:
-        ids = next(batches)
+        ids, _ = batches(step)
         positions = torch.arange(ids.shape[1]).expand_as(ids)
         logits = model(ids[:, :-1], positions[:, :-1]).logits
         return {"total": F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())}
 
     params = list(model.parameters())
-    summary = run_steps(params, step_loss, schedule, folder=folder, desc="target", progress=progress)
+    summary = run_steps(params, step_loss, schedule, folder=folder, desc="target", progress=progress,
+                        resume=resume)
     summary["parameters"] = sum(p.numel() for p in params)
     save_target(model.eval(), folder, config, tokenizer_file)
     _write_json(folder / "training.json", summary)
@@ -276,7 +320,7 @@ def train_target(
 
 
 def train_drafter(
-    stream: torch.Tensor,  # [N] training tokens
+    batches: Batches,
     target: TargetModel,
     config: dict[str, Any],
     weights: LossWeights,
@@ -284,8 +328,10 @@ def train_drafter(
     *,
     folder: Path,
     progress: bool = True,
+    resume: bool = True,
 ) -> dict[str, Any]:
-    """Train against the frozen target; embeddings and LM head are the target's, frozen."""
+    """Train against the frozen target; embeddings and LM head are the target's, frozen.
+    Anchors go where a token and its successor are in the batch's loss mask."""
     torch.manual_seed(schedule.seed)
     drafter = DSparkDrafter(DrafterConfig.from_dict(config))
     init_weights(drafter)
@@ -295,25 +341,24 @@ def train_drafter(
     drafter.lm_head.weight = target.lm_head.weight
     target.requires_grad_(False).eval()
     drafter.train()
-    batches = windows(stream, schedule)
-    anchor_rng = torch.Generator().manual_seed(schedule.seed + 1)
 
     def step_loss(step: int) -> dict[str, torch.Tensor]:
-        ids = next(batches)
+        ids, loss_mask = batches(step)
         features, last_hidden = target_training_features(target, ids)
         out = training_forward(
             drafter,
             input_ids=ids,
             context_features=features,
             target_last_hidden=last_hidden,
-            loss_mask=torch.ones_like(ids, dtype=torch.float32),
-            generator=anchor_rng,
+            loss_mask=loss_mask,
+            generator=step_generator(schedule.seed + 1, step),
         )
         loss = dspark_loss(out, weights)
         return {"total": loss.total, "ce": loss.ce, "tv": loss.tv, "confidence": loss.confidence}
 
     params = [p for p in drafter.parameters() if p.requires_grad]
-    summary = run_steps(params, step_loss, schedule, folder=folder, desc=folder.name, progress=progress)
+    summary = run_steps(params, step_loss, schedule, folder=folder, desc=folder.name, progress=progress,
+                        resume=resume)
     summary["trainable_parameters"] = sum(p.numel() for p in params)
     summary["loss_weights"] = asdict(weights)
     save_drafter(drafter.eval(), folder, config)
