@@ -158,9 +158,12 @@ def test_generate_without_engine_builds_the_demo_once_and_reuses_it(tmp_path, mo
     monkeypatch.setattr("dspark.engines.build.build_engine", no_rebuild)
     second = runner.invoke(main, ["generate", "--prompt", "def parse_args(", "--max-new-tokens", "12", "--json"])
     assert second.exit_code == 0, second.output
-    ids = json.loads(second.output.strip().splitlines()[-1])["output_ids"]
+    report = json.loads(second.output.strip().splitlines()[-1])
+    ids = report["output_ids"]
     target = TargetModel.from_pretrained(demo_engine.DEMO_TARGET)
     from tokenizers import Tokenizer
 
-    prompt = Tokenizer.from_file(str(demo_engine.DEMO_TARGET / "tokenizer.json")).encode("def parse_args(").ids
+    tokenizer = Tokenizer.from_file(str(demo_engine.DEMO_TARGET / "tokenizer.json"))
+    assert report["text"] == tokenizer.decode(ids)
+    prompt = tokenizer.encode("def parse_args(").ids
     assert ids == autoregressive_generate(target, prompt, max_new_tokens=12, stop_token_ids=target.config.eos_token_ids)

@@ -78,9 +78,13 @@ def generate(engine_dir, target_dir, drafter_dir, prompt, prompt_ids, max_new_to
         (result,) = runtime.generate(prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
                                      stop=runtime.info.eos_token_ids)
         seconds = time.perf_counter() - begin
+    tokenizer_file = Path(engine_dir or target_dir) / "tokenizer.json"
+    if tokenizer is None and tokenizer_file.is_file():  # --prompt-ids: the text still helps a reader
+        tokenizer = read_tokenizer(tokenizer_file, "replace or remove it")
     if as_json:
         click.echo(json.dumps({
-            "output_ids": result.tokens, "rounds": result.rounds,
+            "output_ids": result.tokens, "text": tokenizer.decode(result.tokens) if tokenizer else None,
+            "rounds": result.rounds,
             "mean_accepted_length": result.mean_acceptance_length,
             "acceptance_lengths": result.acceptance_lengths, "verified_tokens": result.verified_tokens,
             "tokens_per_second": len(result.tokens) / seconds, "finish_reason": result.finish_reason,

@@ -75,7 +75,7 @@ def tokenizer_command(out: Path, vocab_size: int, limit_files: int | None) -> No
 @click.option("--layers", default=4, show_default=True)
 @click.option("--heads", default=4, show_default=True)
 @click.option("--kv-heads", default=2, show_default=True)
-@click.option("--epochs", default=2.0, show_default=True,
+@click.option("--epochs", default=1.0, show_default=True,
               help="Passes over the training modules, in shuffled non-overlapping windows.")
 @click.option("--steps", type=int, default=None, help="Train this many steps instead of --epochs.")
 @click.option("--batch", default=8, show_default=True)
