@@ -77,6 +77,15 @@ def greedy_check(outputs: Sequence[Sequence[int]], reference: Sequence[Sequence[
     return {"equal": not mismatches, "mismatches": mismatches}
 
 
+def summed_counters(timelines: Sequence[Timeline]) -> dict[str, float]:
+    """Each counter a system reported, summed over its timed requests (warm-up excluded)."""
+    total: dict[str, float] = {}
+    for timeline in timelines:
+        for key, value in timeline.counters.items():
+            total[key] = total.get(key, 0) + value
+    return total
+
+
 def run_systems(systems: Sequence[System], prompts: Sequence[list[int]], max_new_tokens: int,
                 reference: Sequence[Sequence[int]] | None, *, progress: bool = False) -> list[dict[str, Any]]:
     """Warm every system up, then time prompt by prompt, each prompt on every system in turn
@@ -107,6 +116,9 @@ def run_systems(systems: Sequence[System], prompts: Sequence[list[int]], max_new
         row = rows[system.name]
         row.update(status="ok", **speed(timelines[system.name]))
         row["outputs"] = [t.tokens for t in timelines[system.name]]
+        counters = summed_counters(timelines[system.name])
+        if counters:
+            row["counters"] = counters
         if reference is not None and system.lossless:
             row["greedy_check"] = greedy_check(row["outputs"], reference)
     return list(rows.values())

@@ -19,6 +19,7 @@ class Timeline:
     times: list[float] = field(default_factory=list)  # when each chunk arrived
     counts: list[int] = field(default_factory=list)  # tokens delivered so far, after each chunk
     tokens: list[int] = field(default_factory=list)
+    counters: dict[str, float] = field(default_factory=dict)  # what the system itself reports (drafts accepted)
 
     def deliver(self, new_tokens: list[int]) -> None:
         if new_tokens:
