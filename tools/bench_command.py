@@ -73,6 +73,9 @@ def _concurrency(text: str | None) -> tuple[int, ...] | None:
 @click.option("--concurrency", help="Override the sweep's concurrent requests: 1,4,16.")
 @click.option("--sweep-new-tokens", type=click.IntRange(min=1), help="Override new tokens per sweep request.")
 @click.option("--no-peers", is_flag=True, help="Skip Hugging Face transformers and onnxruntime-genai.")
+@click.option("--draft-model", "draft_model", type=_DIR,
+              help="Autoregressive draft model for onnxruntime-genai's draft-model speculation peer "
+                   "(default: the one `dspark train draft-model` made for the target, if any).")
 @click.option("--standin", is_flag=True,
               help="Also sweep a COST STAND-IN target: the target inflated to --standin-params (made into the "
                    "user cache once, as `dspark train standin`), with the same drafter.")
@@ -80,7 +83,7 @@ def _concurrency(text: str | None) -> tuple[int, ...] | None:
               help="The stand-in's size: 100M, 1.5B, 250k, or a multiple of the target (4x).")
 @click.option("--sweep-only", is_flag=True, help="Only the load sweep(s): no acceptance, single stream, peers.")
 def bench(out, quick, engine, target, drafter, dflash, prompts_file, threads, num_prompts, prompt_len, new_tokens,
-          concurrency, sweep_new_tokens, no_peers, standin, standin_params, sweep_only) -> None:
+          concurrency, sweep_new_tokens, no_peers, draft_model, standin, standin_params, sweep_only) -> None:
     """Acceptance, single-stream speed against peers, and a concurrency sweep, with plots."""
     from .bench.subjects import BenchSetupError
 
@@ -92,7 +95,7 @@ def bench(out, quick, engine, target, drafter, dflash, prompts_file, threads, nu
     out.mkdir(parents=True, exist_ok=True)
     try:
         results = run_bench(out, sizes, engine=engine, target=target, drafter=drafter, dflash=dflash,
-                            prompts_file=prompts_file, threads=threads, peers=not no_peers,
+                            prompts_file=prompts_file, threads=threads, peers=not no_peers, draft_model=draft_model,
                             standin_params=standin_params if standin else None, sweep_only=sweep_only)
     except BenchSetupError as exc:
         raise click.UsageError(str(exc)) from exc
@@ -110,7 +113,7 @@ def bench(out, quick, engine, target, drafter, dflash, prompts_file, threads, nu
 
 def run_bench(out: Path, sizes: Sizes, *, engine: Path | None, target: Path | None, drafter: Path | None,
               dflash: Path | None, prompts_file: Path | None, threads: int, peers: bool,
-              standin_params: str | None = None, sweep_only: bool = False) -> dict:
+              draft_model: Path | None = None, standin_params: str | None = None, sweep_only: bool = False) -> dict:
     import torch
     from tqdm import tqdm
 
@@ -155,7 +158,7 @@ def run_bench(out: Path, sizes: Sizes, *, engine: Path | None, target: Path | No
         results["acceptance_status"] = "skipped: --sweep-only"
     else:
         _single_stream(results, runtime, chosen, prompts, sizes, stop=stop, longest=longest, cache=cache,
-                       threads=threads, peers=peers)
+                       threads=threads, peers=peers, draft_model=draft_model)
 
     sweep_prompts, _ = subjects.load_prompts(
         prompts_file, chosen.tokenizer_path, count=min(max(sizes.concurrency), SWEEP_DISTINCT_PROMPTS),
@@ -175,7 +178,7 @@ def run_bench(out: Path, sizes: Sizes, *, engine: Path | None, target: Path | No
 
 
 def _single_stream(results: dict, runtime, chosen, prompts: list[list[int]], sizes: Sizes, *, stop: int,
-                   longest: int, cache: Path, threads: int, peers: bool) -> None:
+                   longest: int, cache: Path, threads: int, peers: bool, draft_model: Path | None = None) -> None:
     """Acceptance (with checkpoints), single stream against the peers, and loop efficiency, into `results`."""
     from tqdm import tqdm
 
@@ -202,12 +205,18 @@ def _single_stream(results: dict, runtime, chosen, prompts: list[list[int]], siz
 
     systems, rows = list(ours), []
     if peers and chosen.target_dir is not None:
+        from .draft_model import find_draft_model
+
+        draft_model = draft_model or find_draft_model(chosen.target_dir)
         for build in (lambda: peer_systems.transformers_systems(chosen.target_dir, stop=stop, threads=threads),
-                      lambda: peer_systems.genai_systems(chosen.target_dir, cache, stop=stop, threads=threads)):
+                      lambda: peer_systems.genai_systems(chosen.target_dir, cache, stop=stop, threads=threads),
+                      lambda: peer_systems.genai_draft_systems(chosen.target_dir, draft_model, cache, stop=stop,
+                                                               threads=threads)):
             try:
                 systems += build()
             except peer_systems.PeerUnavailable as exc:
-                rows.append({"system": str(exc).split(":")[0], "runtime": "", "lossless": True, "status": str(exc)})
+                rows.append({"system": exc.system or str(exc).split(":")[0], "runtime": "", "lossless": True,
+                             "status": str(exc)})
     tqdm.write(f"dspark bench: single stream, {len(systems)} systems: {', '.join(s.name for s in systems)}")
     rows += single_stream.run_systems(systems, prompts, sizes.new_tokens, reference, progress=True)
     if reference is None:

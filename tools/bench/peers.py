@@ -7,6 +7,12 @@
   The builder invents eos/pad ids when the checkpoint has none; the bench overwrites them in
   genai_config.json (eos = the shared stop token, pad = -1). Its fused attention refuses
   batched multi-token steps with a past, so it is a batch-1 peer here.
+- onnxruntime-genai draft-model speculation: its `model.type: "speculative"` pairs the target's
+  export with an autoregressive draft model's export (`model.draft` in genai_config.json, the
+  draft's own decoder section; both builds fp32 CPU, same session options, same vocabulary) and
+  drafts `speculative.max_draft_tokens` tokens per round, batch 1, greedy-verified. The draft
+  model is `dspark train draft-model`'s 1-2 layer Qwen3 on the target's tokenizer and corpus; the
+  generator's own speculative statistics (rounds, drafted and accepted tokens) go into the row.
 
 A peer whose package is missing, or whose model cannot be built, raises PeerUnavailable with
 the reason; the bench reports it and goes on.
@@ -15,6 +21,7 @@ the reason; the bench reports it and goes on.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -30,7 +37,11 @@ INSTALL_HINT = "pip install 'dspark[bench]'"
 
 
 class PeerUnavailable(RuntimeError):
-    """A peer that cannot run here; the message says why and how to get it."""
+    """A peer that cannot run here; the message says why and how to get it, `system` which peer."""
+
+    def __init__(self, message: str, system: str | None = None) -> None:
+        super().__init__(message)
+        self.system = system
 
 
 def transformers_systems(target_dir: Path, *, stop: int, threads: int, lookup_tokens: int = 4) -> list[System]:
@@ -132,3 +143,61 @@ def genai_systems(target_dir: Path, cache: Path, *, stop: int, threads: int, ngr
 
     return [System("onnxruntime-genai greedy", version, runner(None)),
             System(f"onnxruntime-genai n-gram (n={ngram_size}, k={draft_tokens})", version, ngram)]
+
+
+DRAFT_STATS = ("rounds", "draft_tokens_proposed", "draft_tokens_accepted", "tokens_emitted", "target_forward_passes",
+               "total_draft_ms", "total_target_ms")
+
+
+def draft_model_name(draft_tokens: int) -> str:
+    return f"onnxruntime-genai draft model (k={draft_tokens})"
+
+
+def speculative_overlay(target_build: Path, draft_build: Path, draft_tokens: int) -> dict:
+    """The genai_config.json overlay that turns the target's build into draft-model speculation:
+    the draft build's decoder section as `model.draft`, its file named relative to the target's
+    folder (onnxruntime-genai joins it to the config's folder)."""
+    draft = json.loads((draft_build / "genai_config.json").read_text(encoding="utf-8"))["model"]["decoder"]
+    draft["filename"] = os.path.relpath(draft_build / draft["filename"], target_build)
+    return {"model": {"type": "speculative", "draft": draft}, "speculative": {"max_draft_tokens": draft_tokens}}
+
+
+def genai_draft_systems(target_dir: Path, draft_dir: Path | None, cache: Path, *, stop: int, threads: int,
+                        draft_tokens: int = 4) -> list[System]:
+    """onnxruntime-genai's draft-model speculative decoding of `target_dir` with `draft_dir`."""
+    name = draft_model_name(draft_tokens)
+    try:
+        import onnxruntime_genai as og
+    except ImportError as exc:
+        raise PeerUnavailable(f"skipped: {INSTALL_HINT} (onnxruntime-genai: {exc})", name) from exc
+    version = f"onnxruntime-genai {og.__version__}"
+    if draft_dir is None:
+        raise PeerUnavailable(f"skipped: no draft model for this target; make one with `dspark train draft-model "
+                              f"--target {target_dir}` ({version})", name)
+    try:
+        target_build = build_genai_model(target_dir, cache, stop=stop, threads=threads)
+        draft_build = build_genai_model(draft_dir, cache, stop=stop, threads=threads)
+    except PeerUnavailable as exc:
+        raise PeerUnavailable(str(exc), name) from exc
+    config = og.Config(str(target_build))
+    try:
+        config.overlay(json.dumps(speculative_overlay(target_build, draft_build, draft_tokens)))
+        model = og.Model(config)
+    except RuntimeError as exc:  # a runtime without `model.type: speculative`, or a draft it refuses
+        raise PeerUnavailable(f"skipped: {version} does not run draft-model speculation with {draft_dir}: {exc}",
+                              name) from exc
+
+    def generate(prompt: list[int], max_new_tokens: int) -> Timeline:
+        params = og.GeneratorParams(model)
+        params.set_search_options(do_sample=False, max_length=len(prompt) + max_new_tokens)
+        timeline = Timeline()
+        generator = og.Generator(model, params)
+        generator.append_tokens(np.array([prompt], dtype=np.int32))
+        while not generator.is_done():
+            generator.generate_next_token()
+            timeline.deliver([int(generator.get_next_tokens()[0])])
+        stats = generator.get_speculative_stats() if hasattr(generator, "get_speculative_stats") else {}
+        timeline.counters = {key: stats[key] for key in DRAFT_STATS if key in stats}
+        return timeline
+
+    return [System(name, version, generate)]

@@ -47,6 +47,21 @@ def single_stream_table(rows: list[dict[str, Any]]) -> str:
                   out)
 
 
+def speculation_lines(rows: list[dict[str, Any]]) -> str:
+    """Per draft-model peer, its own statistics: rounds, drafted and accepted tokens, tokens per
+    target step (emitted tokens ÷ rounds, the τ of that runtime)."""
+    lines = []
+    for r in rows:
+        c = r.get("counters", {})
+        if r.get("status") != "ok" or not c.get("draft_tokens_proposed") or not c.get("rounds"):
+            continue
+        lines.append(f"- {r['system']} ({r['runtime']}, its own statistics): {c['rounds']:.0f} rounds, "
+                     f"{c['draft_tokens_accepted']:.0f} of {c['draft_tokens_proposed']:.0f} drafted tokens accepted "
+                     f"({100 * c['draft_tokens_accepted'] / c['draft_tokens_proposed']:.1f}%), "
+                     f"{c['tokens_emitted'] / c['rounds']:.2f} tokens per round")
+    return "\n".join(lines)
+
+
 def sweep_table(sweeps: list[dict[str, Any]]) -> str:
     """Every run of every target, each row labelled with its target."""
     out = []
@@ -128,6 +143,9 @@ def markdown(results: dict[str, Any]) -> str:
         title = (f"### Single stream (greedy, {single['max_new_tokens']} new tokens, {single['prompts']} prompts; "
                  f"reference: {single['reference']})")
         parts += [title, single_stream_table(single["rows"])]
+        speculation = speculation_lines(single["rows"])
+        if speculation:
+            parts.append(speculation)
     if results.get("loop_efficiency"):
         rows = [[mode, e["efficiency_min"], e["efficiency_median"], e["engine_ms_median"], e["replay_ms_median"],
                  e["graph_calls_per_request"]] for mode, e in results["loop_efficiency"].items()]
