@@ -1,5 +1,6 @@
 """`dspark train tokenizer|target|distill-data|drafter|evaluate`: reproduce the bundled demo
-pair; `dspark train standin`: inflate a target into a memory-bound cost stand-in.
+pair; `dspark train draft-model`: an autoregressive draft model for onnxruntime-genai's
+speculation (a bench peer); `dspark train standin`: inflate a target into a memory-bound cost stand-in.
 
     dspark train tokenizer --out build/demo/tokenizer
     dspark train target --tokenizer build/demo/tokenizer/tokenizer.json --out models/demo/target
@@ -31,6 +32,7 @@ from dspark.models import DrafterConfig, TargetModel
 from dspark.models.loss import DFLASH_WEIGHTS, DSPARK_WEIGHTS
 
 from . import corpus, demo_eval, demo_training, distill_data, training_data
+from .draft_model import draft_model_command
 from .errors import OneLineErrors
 
 _PATH = click.Path(path_type=Path)
@@ -357,3 +359,6 @@ def standin_command(target_dir: Path | None, params_text: str, out: Path | None,
     for transform in section["transforms"]:
         click.echo(f"  {transform}")
     click.echo(standin_label(out))
+
+
+train.add_command(draft_model_command)

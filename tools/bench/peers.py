@@ -25,6 +25,8 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
+from typing import Any
 
 import numpy as np
 import torch
@@ -111,6 +113,23 @@ def build_genai_model(target_dir: Path, cache: Path, *, stop: int, threads: int)
     return out
 
 
+def _genai_greedy(og: ModuleType, model: Any, prompt: list[int], max_new_tokens: int,
+                  speculative: dict[str, int] | None = None) -> tuple[Timeline, Any]:
+    """One greedy generation through onnxruntime-genai's loop, each token timed as it arrives;
+    returns the timeline and the generator (whose speculative statistics a caller may read)."""
+    params = og.GeneratorParams(model)
+    params.set_search_options(do_sample=False, max_length=len(prompt) + max_new_tokens)
+    if speculative:
+        params.set_speculative_options(**speculative)
+    timeline = Timeline()
+    generator = og.Generator(model, params)
+    generator.append_tokens(np.array([prompt], dtype=np.int32))
+    while not generator.is_done():
+        generator.generate_next_token()
+        timeline.deliver([int(generator.get_next_tokens()[0])])
+    return timeline, generator
+
+
 def genai_systems(target_dir: Path, cache: Path, *, stop: int, threads: int, ngram_size: int = 3,
                   draft_tokens: int = 4) -> list[System]:
     try:
@@ -121,17 +140,7 @@ def genai_systems(target_dir: Path, cache: Path, *, stop: int, threads: int, ngr
 
     def runner(speculative: dict[str, int] | None):
         def generate(prompt: list[int], max_new_tokens: int) -> Timeline:
-            params = og.GeneratorParams(model)
-            params.set_search_options(do_sample=False, max_length=len(prompt) + max_new_tokens)
-            if speculative:
-                params.set_speculative_options(**speculative)
-            timeline = Timeline()
-            generator = og.Generator(model, params)
-            generator.append_tokens(np.array([prompt], dtype=np.int32))
-            while not generator.is_done():
-                generator.generate_next_token()
-                timeline.deliver([int(generator.get_next_tokens()[0])])
-            return timeline
+            return _genai_greedy(og, model, prompt, max_new_tokens, speculative)[0]
 
         return generate
 
@@ -188,14 +197,7 @@ def genai_draft_systems(target_dir: Path, draft_dir: Path | None, cache: Path, *
                               name) from exc
 
     def generate(prompt: list[int], max_new_tokens: int) -> Timeline:
-        params = og.GeneratorParams(model)
-        params.set_search_options(do_sample=False, max_length=len(prompt) + max_new_tokens)
-        timeline = Timeline()
-        generator = og.Generator(model, params)
-        generator.append_tokens(np.array([prompt], dtype=np.int32))
-        while not generator.is_done():
-            generator.generate_next_token()
-            timeline.deliver([int(generator.get_next_tokens()[0])])
+        timeline, generator = _genai_greedy(og, model, prompt, max_new_tokens)
         stats = generator.get_speculative_stats() if hasattr(generator, "get_speculative_stats") else {}
         timeline.counters = {key: stats[key] for key in DRAFT_STATS if key in stats}
         return timeline
