@@ -109,6 +109,18 @@ FLAVOURS = ("plain", "fused")
 DEFAULT_FLAVOURS = FLAVOURS
 
 
+def check_pair_and_out(target_dir: Path, drafter_dir: Path, out_dir: Path) -> tuple[TargetConfig, DrafterConfig]:
+    """The pair's configs, refused when the drafter does not fit the target; the output folder made.
+    Runs before any weight is read, so a bad pair or --out costs nothing."""
+    target_config = TargetConfig.from_folder(target_dir)
+    drafter_config = DrafterConfig.from_folder(drafter_dir)
+    check_drafter_fits_target(drafter_config, target_config)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ExportError(f"--out {out_dir} exists and is not a directory")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    return target_config, drafter_config
+
+
 def check_options(dtype: str, opset: int, flavours: Sequence[str] = ("plain",)) -> None:
     if dtype not in TORCH_DTYPES:
         raise ExportError(f"--dtype {dtype!r} is not supported (choose one of {', '.join(C.DTYPES)})")
@@ -146,12 +158,7 @@ def export_pair(
     """
     check_options(dtype, opset, flavours)
     target_dir, drafter_dir, out_dir = Path(target_dir), Path(drafter_dir), Path(out_dir)
-    target_config = TargetConfig.from_folder(target_dir)
-    drafter_config = DrafterConfig.from_folder(drafter_dir)
-    check_drafter_fits_target(drafter_config, target_config)
-    if out_dir.exists() and not out_dir.is_dir():
-        raise ExportError(f"--out {out_dir} exists and is not a directory")
-    out_dir.mkdir(parents=True, exist_ok=True)
+    target_config, drafter_config = check_pair_and_out(target_dir, drafter_dir, out_dir)
 
     started = time.perf_counter()
     target, drafter = load_pair(target_dir, drafter_dir, dtype=TORCH_DTYPES[dtype])

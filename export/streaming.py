@@ -39,13 +39,21 @@ import onnx
 import torch
 from torch import nn
 
-from dspark.models import DrafterConfig, DSparkDrafter, TargetConfig, TargetModel, check_drafter_fits_target
+from dspark.models import DrafterConfig, DSparkDrafter, TargetConfig, TargetModel
 from dspark.models.checkpoint import checkpoint_files
 from dspark.models.config import CheckpointError
 
 from .lower import EXTERNAL_SUFFIX, ExportError, _fix_bfloat16_casts, check_matches_spec
 from .manifest import FORMAT_VERSION, file_entries, model_section, write_manifest
-from .pipeline import DEFAULT_OPSET, DEFAULT_PLACEMENT, TOKENIZER_FILES, TORCH_DTYPES, check_options, graph_jobs
+from .pipeline import (
+    DEFAULT_OPSET,
+    DEFAULT_PLACEMENT,
+    TOKENIZER_FILES,
+    TORCH_DTYPES,
+    check_options,
+    check_pair_and_out,
+    graph_jobs,
+)
 
 Progress = Callable[[str], None] | None
 _ST_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
@@ -247,12 +255,7 @@ def export_pair_streaming(
     bad options, and an output disk with less free space than the graphs' weights need."""
     check_options(dtype, opset)
     target_dir, drafter_dir, out_dir = Path(target_dir), Path(drafter_dir), Path(out_dir)
-    target_config = TargetConfig.from_folder(target_dir)
-    drafter_config = DrafterConfig.from_folder(drafter_dir)
-    check_drafter_fits_target(drafter_config, target_config)
-    if out_dir.exists() and not out_dir.is_dir():
-        raise ExportError(f"--out {out_dir} exists and is not a directory")
-    out_dir.mkdir(parents=True, exist_ok=True)
+    target_config, drafter_config = check_pair_and_out(target_dir, drafter_dir, out_dir)
     started = time.perf_counter()
     torch_dtype = TORCH_DTYPES[dtype]
     located = {target_dir: index_checkpoint(target_dir), drafter_dir: index_checkpoint(drafter_dir)}

@@ -30,9 +30,10 @@ class DistillDataError(ValueError):
 
 
 def target_fingerprint(target_dir: Path) -> str:
-    """sha256 of the target's weights and config: a distillation file belongs to one target."""
+    """sha256 of the target's config, weights and tokenizer: a distillation file (or a draft model)
+    belongs to one target."""
     digest = hashlib.sha256()
-    for name in ("config.json", "model.safetensors"):
+    for name in ("config.json", "model.safetensors", "tokenizer.json"):
         with open(target_dir / name, "rb") as f:
             for chunk in iter(lambda: f.read(1 << 20), b""):
                 digest.update(chunk)

@@ -15,7 +15,6 @@ A draft model never changes what a lossless runtime outputs, only how many draft
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 from typing import Any
@@ -29,13 +28,10 @@ DEFAULT_STEPS = 900  # about 10 minutes on one shared CPU thread for a 1-layer m
 
 
 def target_key(target_dir: Path) -> str:
-    """Digest of the target's config, weights and tokenizer: a draft model belongs to one target."""
-    digest = hashlib.sha256()
-    for name in ("config.json", "model.safetensors", "tokenizer.json"):
-        with open(target_dir / name, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 20), b""):
-                digest.update(chunk)
-    return digest.hexdigest()[:16]
+    """Short digest of the target (config, weights, tokenizer): a draft model belongs to one target."""
+    from .distill_data import target_fingerprint
+
+    return target_fingerprint(target_dir)[:16]
 
 
 def default_folder(target_dir: Path) -> Path:
