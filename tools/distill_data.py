@@ -34,6 +34,8 @@ def target_fingerprint(target_dir: Path) -> str:
     belongs to one target."""
     digest = hashlib.sha256()
     for name in ("config.json", "model.safetensors", "tokenizer.json"):
+        if not (target_dir / name).is_file():  # a folder without a tokenizer is still a target
+            continue
         with open(target_dir / name, "rb") as f:
             for chunk in iter(lambda: f.read(1 << 20), b""):
                 digest.update(chunk)
