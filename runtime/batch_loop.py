@@ -40,11 +40,11 @@ from .model_info import ModelInfo
 from .monitor import Monitor
 from .prefix_scheduler import Decision, SchedulerConfig, StepScheduler
 from .proposer import DraftBlock
-from .recovery.resume import resumed_generator, resumed_tokens
+from .recovery.resume import resumed_tokens
 from .recovery.snapshot import RequestSnapshot
 from .request_state import RunningRequest
 from .requests import find_stop, stop_set, validate_request
-from .sampling import sample_rows
+from .sampling import round_generator, round_seed, sample_rows
 from .stats import EngineStats, RequestResult, StepRecord
 from .step_batch import StepBatch
 from .target_runner import TargetRunner, kv_mode_for
@@ -116,20 +116,19 @@ class BatchEngine:
     ) -> int:
         """Validate and queue a request; returns its id. Invalid requests raise RequestError or
         CapacityError here and never touch the engine's state. `resume_from`: a snapshot of this request
-        from an engine that is gone; it continues from its committed tokens and RNG state (`recovery`)."""
+        from an engine that is gone; it continues from its committed tokens (`recovery`)."""
         prompt = validate_request(prompt_ids, vocab_size=self.info.vocab_size, max_positions=self.info.max_positions,
                                   max_new_tokens=max_new_tokens, temperature=temperature)
         stop = stop_set(stop_token_ids, self.info.vocab_size)
         self.admission.check_servable(self.positions_needed(len(prompt), max_new_tokens))
-        tokens, generator = [], torch.Generator().manual_seed(seed) if temperature > 0 else None
+        tokens, generator = [], round_generator(seed) if temperature > 0 else None
         rounds, fed = ([], []), 0
-        if resume_from is not None:
+        if resume_from is not None:  # its sampler needs nothing more: each round seeds from (seed, tokens so far)
             tokens = resumed_tokens(resume_from, self.info.vocab_size, max_new_tokens)
-            generator = resumed_generator(resume_from, temperature, seed)
             rounds = (list(resume_from.acceptance_lengths), list(resume_from.proposal_lengths))
             fed = max(len(prompt) + len(tokens) - 1 - resume_from.backlog, 0) if tokens else 0
         result = RequestResult(next(self._ids), prompt, tokens, *rounds, submitted_step=self._step)
-        self.queue.append(RunningRequest(result, max_new_tokens, float(temperature), stop, generator,
+        self.queue.append(RunningRequest(result, max_new_tokens, float(temperature), stop, generator, seed,
                                          scanned=len(tokens), fed=fed))
         return result.request_id
 
@@ -192,6 +191,9 @@ class BatchEngine:
         if not self.active:
             self._step += 1
             return None
+        for a in self.active:
+            if a.generator is not None:
+                a.generator.manual_seed(round_seed(a.seed, len(a.result.tokens)))
         if self.trees is not None:  # draft trees: propose, verify and commit over tree nodes (tree_step)
             record = self.trees.step(len(new), seconds, begin)
             self.stats.record(record)
@@ -258,10 +260,8 @@ class BatchEngine:
         have confidence −inf (survival 0: Algorithm 1 gives them length 0) and no drafts."""
         active, rows = self.active, len(self.active)
         every = len(drafting) == rows
-        out = self.drafter.draft(anchors[drafting], starts[drafting], [active[r].pending for r in drafting],
+        out = self.drafter.draft(anchors[drafting], starts[drafting], [active[r].take_context() for r in drafting],
                                  None if every else drafting)
-        for r in drafting:
-            active[r].pending, active[r].fed = [], 0
         begin = _phase(seconds, "draft", begin)
         order = drafting[out.order]  # the active row of each drafted row
         block = self.drafter.propose(out.hidden, out.base_logits, anchors[order], [temperatures[r] for r in order],
@@ -315,7 +315,8 @@ class BatchEngine:
             if fresh[r]:
                 a.result.tokens.append(anchors[r])
             a.start, a.anchor = int(batch.counts[r]), a.result.tokens[-1]
-            a.pending = [context[batch.cu_counts[r] : batch.cu_counts[r + 1]]]
+            a.pending, a.pending_rows = [], 0  # `fed` stays: a resumed request's drafter had seen those rows
+            a.add_context(context[batch.cu_counts[r] : batch.cu_counts[r + 1]])
             self.active.append(a)
 
     def _reconcile(self, batch: StepBatch, out, block, temperatures: list[float],
@@ -330,7 +331,7 @@ class BatchEngine:
             context = batch.gather(out.context_features, kept)
             cu = np.concatenate(([0], np.cumsum(kept)))
             for r, a in enumerate(self.active):
-                a.pending.append(context[cu[r] : cu[r + 1]])
+                a.add_context(context[cu[r] : cu[r + 1]])
         ids, kept_list, bonus_list = batch.ids.tolist(), kept.tolist(), bonus.tolist()
         lengths = (batch.counts - 1).tolist()
         for a, row, n, b, k in zip(self.active, ids, kept_list, bonus_list, lengths, strict=True):

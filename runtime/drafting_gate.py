@@ -105,6 +105,7 @@ class DraftingGate:
         self.prior = prior_acceptance ** np.arange(1, block_size + 1)  # [γ] survival of the prior row
         self.pool: deque[np.ndarray] = deque(maxlen=pool_rows)  # [γ] survival rows of recent drafted rows
         self.skipped = 0  # steps since rows last drafted
+        self.pool_version = 0  # bumped whenever the pool changes (a snapshot re-encodes it only then)
         # the pool's survivals > 0, descending, and its mean survival per depth [γ]; None: to build
         self._candidates: tuple[np.ndarray, np.ndarray] | None = None
 
@@ -174,6 +175,7 @@ class DraftingGate:
             logits = torch.as_tensor(confidence_logits)[torch.from_numpy(plan.rows)]
             self.pool.extend(survival(logits, self.temperatures).numpy())
             self._candidates = None
+            self.pool_version += 1
 
     def observed(self, record: StepRecord, plan: GatePlan) -> StepRecord:
         """The step as the cost model should learn from it: drafting normalised to a normal step of

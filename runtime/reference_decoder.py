@@ -24,7 +24,7 @@ from .prefix_scheduler import threshold_length
 from .proposer import propose_block
 from .rejection import verify_chain
 from .requests import RequestError, find_stop, truncate_at_stop, validate_request
-from .sampling import sample_token
+from .sampling import round_generator, round_seed, sample_token
 
 
 @dataclass
@@ -75,11 +75,12 @@ def autoregressive_generate(
     cfg = target.config
     prompt_ids = validate_request(prompt_ids, vocab_size=cfg.vocab_size, max_positions=cfg.max_position_embeddings,
                                   max_new_tokens=max_new_tokens, temperature=temperature)
-    generator = torch.Generator().manual_seed(seed)
+    generator = round_generator(seed)
     n = len(prompt_ids)
     out = target(torch.tensor([prompt_ids]), torch.arange(n)[None])
     tokens: list[int] = []
     while True:
+        generator.manual_seed(round_seed(seed, len(tokens)))
         token = sample_token(out.logits[:, -1], temperature, generator)
         tokens.append(int(token))
         if len(tokens) >= max_new_tokens or tokens[-1] in stop_token_ids:
@@ -119,7 +120,7 @@ def speculative_generate(
     if confidence_threshold > 0.0 and drafter.confidence_head is None:
         raise RequestError("confidence_threshold needs a drafter with a confidence head")
 
-    generator = torch.Generator().manual_seed(seed)
+    generator = round_generator(seed)
     n = len(prompt_ids)
     prefill = target(torch.tensor([prompt_ids]), torch.arange(n)[None])
     anchor = sample_token(prefill.logits[:, -1], temperature, generator)  # [1]
@@ -131,6 +132,7 @@ def speculative_generate(
     masks = torch.full((1, gamma - 1), drafter.config.mask_token_id)
 
     while len(result.tokens) < max_new_tokens and find_stop(result.tokens, stop_token_ids, 0, max_new_tokens) is None:
+        generator.manual_seed(round_seed(seed, len(result.tokens)))
         context_positions = torch.arange(drafted_upto, start)[None]
         backbone = drafter.forward_backbone(
             block_ids=torch.cat((anchor[:, None], masks), dim=1),

@@ -1,8 +1,31 @@
-"""Turning logits into distributions and tokens (greedy when temperature is 0)."""
+"""Turning logits into distributions and tokens (greedy when temperature is 0), and the seeds of a request's
+draws.
+
+A sampled request's generator is re-seeded at the start of every round from its seed and the number of tokens it
+has committed (`round_seed`). Where a request stands (seed, tokens so far) is then its whole RNG state: a snapshot,
+a swapped-out request or one resumed on another engine carries no generator state, and still draws what it would
+have drawn. Within a round the draws follow one stream in a fixed order, as before.
+"""
 
 from __future__ import annotations
 
 import torch
+
+_MASK = (1 << 64) - 1
+
+
+def round_seed(seed: int, committed: int) -> int:
+    """The seed of the round that follows a request's first `committed` output tokens (splitmix64 of the pair:
+    nearby seeds and counts give unrelated streams)."""
+    x = (seed + 0x9E3779B97F4A7C15 * (committed + 1)) & _MASK
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
+    return x ^ (x >> 31)
+
+
+def round_generator(seed: int, committed: int = 0) -> torch.Generator:
+    """A generator at the start of that round."""
+    return torch.Generator().manual_seed(round_seed(seed, committed))
 
 
 def probabilities(logits: torch.Tensor, temperature: float) -> torch.Tensor:

@@ -18,7 +18,7 @@ import torch
 from dspark.models import DSparkDrafter, TargetModel
 
 from .requests import RequestError, find_stop, truncate_at_stop, validate_request
-from .sampling import sample_token
+from .sampling import round_generator, round_seed, sample_token
 from .tree_builder import DraftTree, TreeMode, build_tree, sample_tree
 from .tree_verifier import accept_tree, compact_kv_cache, path_features, run_tree
 
@@ -84,7 +84,7 @@ def tree_generate(
     if draw == "sampled" and temperature == 0.0:
         raise RequestError("draw='sampled' needs temperature > 0 (greedy decoding uses best-first trees)")
     gamma = drafter.config.block_size
-    generator = torch.Generator().manual_seed(seed)
+    generator = round_generator(seed)
     n = len(prompt_ids)
     prefill = target(torch.tensor([prompt_ids]), torch.arange(n)[None])
     anchor = int(sample_token(prefill.logits[:, -1], temperature, generator))
@@ -94,6 +94,7 @@ def tree_generate(
     masks = torch.full((1, gamma - 1), drafter.config.mask_token_id)
 
     while len(result.tokens) < max_new_tokens and find_stop(result.tokens, stop_token_ids, 0, max_new_tokens) is None:
+        generator.manual_seed(round_seed(seed, len(result.tokens)))
         backbone = drafter.forward_backbone(
             block_ids=torch.cat((torch.tensor([[anchor]]), masks), dim=1),
             block_position_ids=torch.arange(start, start + gamma)[None],

@@ -167,10 +167,8 @@ class TreeStepper:
         anchors = np.fromiter((a.anchor for a in active), np.int64, rows)
         starts = np.fromiter((a.start for a in active), np.int64, rows)
         temperatures = [a.temperature for a in active]
-        out = engine.drafter.draft(anchors, starts, [a.pending for a in active])
+        out = engine.drafter.draft(anchors, starts, [a.take_context() for a in active])
         order = out.order
-        for a in active:
-            a.pending = []
         begin = _phase(seconds, "draft", begin)
         cost = engine.cost_model if engine.scheduler.mode == "dspark" else None
         grown = grow_trees(self._head if info.has_heads else None, out.hidden, out.base_logits, anchors[order],
@@ -188,7 +186,7 @@ class TreeStepper:
                               info.block_size)
         self.verifier.commit(new, offset, paths)
         for r, (a, tree, path, b) in enumerate(zip(active, trees, paths, bonus, strict=True)):
-            a.pending.append(features[r, path])
+            a.add_context(features[r, path])
             a.result.tokens += [tree.tokens[n] for n in path[1:]] + [b]
             a.result.acceptance_lengths.append(len(path))
             a.result.proposal_lengths.append(tree.num_nodes)

@@ -4,13 +4,15 @@ run's tokens (greedy and seeded sampling, Algorithm 1 over the same batch)."""
 
 from __future__ import annotations
 
+import struct
+
 import pytest
 from test_serving_support import tiny_pair, tiny_runtime
 
 from dspark.runtime.api import Runtime, RuntimeOptions
 from dspark.runtime.prefix_scheduler import SchedulerConfig
 from dspark.runtime.recovery.engine_state import engine_state, restore_engine_state
-from dspark.runtime.recovery.framing import frame, scan
+from dspark.runtime.recovery.framing import HEADER_SIZE, frame, scan
 from dspark.runtime.recovery.journal import JournalError, JournalStore
 from dspark.runtime.recovery.recorder import StepRecorder
 from dspark.runtime.recovery.snapshot import Finished, MemoryStore, Progress, RequestSnapshot, RequestSpec
@@ -47,8 +49,7 @@ def _write(directory, steps: int = 6, **options) -> MemoryStore:
         for i in range(3):
             store.submitted(_spec(i, temperature=0.0 if i == 2 else 1.0))
         for step in range(steps):
-            progress = [Progress(f"req-{i}", 2 * step, [step, i], [2], [3], None if i == 2 else bytes([step, i]) * 9)
-                        for i in range(3)]
+            progress = [Progress(f"req-{i}", 2 * step, [step, i], [2], [3], step + i) for i in range(3)]
             store.stepped(step, progress, [Finished("req-1", list(range(2 * step + 2)), "stop", [2], [3])]
                           if step == steps - 2 else [])
     journal.close()
@@ -56,7 +57,7 @@ def _write(directory, steps: int = 6, **options) -> MemoryStore:
 
 
 def _state(recovered):
-    return ([(s.spec, s.tokens, s.rng_state, s.step, s.acceptance_lengths) for s in recovered.running],
+    return ([(s.spec, s.tokens, s.backlog, s.step, s.acceptance_lengths) for s in recovered.running],
             [(s.spec.key, s.tokens, s.finish_reason) for s in recovered.finished])
 
 
@@ -79,7 +80,7 @@ def test_corrupt_journal_keeps_every_whole_record(tmp_path):
     _write(tmp_path, fsync="step")
     (segment,) = tmp_path.glob("journal-*.dsj")
     data = bytearray(segment.read_bytes())
-    data[data.index(b'"s":3') + 2] ^= 0x01  # step 3's record: its checksum no longer holds
+    data[_step_frame(data, 3) + HEADER_SIZE + 20] ^= 0x01  # step 3's record: its checksum no longer holds
     segment.write_bytes(bytes(data[:-7]))  # and the last record torn
     journal = JournalStore(tmp_path)
     recovered = journal.recover()
@@ -88,12 +89,24 @@ def test_corrupt_journal_keeps_every_whole_record(tmp_path):
     assert len(damage) == 2 and "is corrupt" in damage[0] and "torn last write" in damage[1]
     running = {s.spec.key: s for s in recovered.running}
     assert set(running) == {"req-0", "req-2"} and [s.spec.key for s in recovered.finished] == ["req-1"]
-    for key in running:  # steps 0-2 whole, step 3 lost: each resumes after step 2, at step 2's RNG state
+    for key in running:  # steps 0-2 whole, step 3 lost: each resumes after step 2
         assert running[key].tokens == [t for step in range(3) for t in (step, int(key[-1]))]
         assert running[key].step == 2 and any(f"request {key}: a step record is missing" in p
                                               for p in recovered.problems)
-    assert running["req-0"].rng_state == bytes([2, 0]) * 9
+    assert running["req-0"].backlog == 2
     assert list(tmp_path.glob("*.corrupt")), "the damaged segment is kept for inspection"
+
+
+def _step_frame(data: bytes | bytearray, step: int) -> int:
+    """The offset of the frame that holds that engine step's record."""
+    pos = 0
+    while pos < len(data):
+        (length,) = struct.unpack_from("<I", data, pos + 4)
+        payload = pos + HEADER_SIZE
+        if data[payload : payload + 1] == b"Q" and struct.unpack_from("<q", data, payload + 1)[0] == step:
+            return pos
+        pos = payload + length
+    raise AssertionError(f"no record of step {step}")
 
 
 def test_bad_snapshots_are_refused():
@@ -101,9 +114,8 @@ def test_bad_snapshots_are_refused():
     with pytest.raises(RequestError, match="outside the vocabulary"):
         from dspark.runtime.recovery.resume import resumed_tokens
         resumed_tokens(RequestSnapshot(spec, [1, 10**6]), 512, 50)
-    from dspark.runtime.recovery.resume import resumed_generator
-    with pytest.raises(RequestError, match="unusable RNG state"):
-        resumed_generator(RequestSnapshot(spec, [1], rng_state=b"\x00" * 7), 1.0, 0)
+    with pytest.raises(RequestError, match="it had finished"):
+        resumed_tokens(RequestSnapshot(spec, [1, 2, 3]), 512, 3)
 
 
 class DearDrafting:

@@ -17,15 +17,35 @@ _HEAD = struct.Struct("<4sIII")  # dtype code, skipped, rows, width
 _DTYPE_CODES = {"<f4": b"f4\0\0", "<f8": b"f8\0\0"}
 
 
+class EngineStateWriter:
+    """`engine_state` of one engine after each step; the pool is encoded again only when it changed (the gate's
+    `pool_version`), so a step that did not draft costs a struct.pack."""
+
+    def __init__(self) -> None:
+        self._key: tuple[int, int] | None = None
+        self._pool = (b"", 0, 0, b"")  # dtype code, rows, width, bytes
+
+    def __call__(self, engine: BatchEngine) -> bytes | None:
+        gate = engine.gate
+        if gate is None:
+            return None
+        if self._key != (key := (id(gate), gate.pool_version)):
+            self._key, self._pool = key, _encode_pool(gate.pool, engine.info.block_size)
+        code, rows, width, data = self._pool
+        return _HEAD.pack(code, gate.skipped, rows, width) + data
+
+
 def engine_state(engine: BatchEngine) -> bytes | None:
-    gate = engine.gate
-    if gate is None:
-        return None
-    pool = np.stack(gate.pool) if gate.pool else np.zeros((0, engine.info.block_size), np.float32)
-    code = _DTYPE_CODES.get(pool.dtype.str)
+    """The gate's state as bytes (None without a gate): its skipped-step count and its pool."""
+    return EngineStateWriter()(engine)
+
+
+def _encode_pool(pool, width: int) -> tuple[bytes, int, int, bytes]:
+    rows = np.stack(pool) if pool else np.zeros((0, width), np.float32)
+    code = _DTYPE_CODES.get(rows.dtype.str)
     if code is None:
-        pool, code = pool.astype(np.float64), _DTYPE_CODES["<f8"]
-    return _HEAD.pack(code, gate.skipped, *pool.shape) + pool.tobytes()
+        rows, code = rows.astype(np.float64), _DTYPE_CODES["<f8"]
+    return code, rows.shape[0], rows.shape[1], rows.tobytes()
 
 
 def restore_engine_state(engine: BatchEngine, state: bytes | None) -> str | None:
@@ -42,4 +62,5 @@ def restore_engine_state(engine: BatchEngine, state: bytes | None) -> str | None
     gate.pool.clear()
     gate.pool.extend(row.copy() for row in pool)
     gate.skipped, gate._candidates = skipped, None
+    gate.pool_version += 1
     return None

@@ -19,9 +19,14 @@ HEADER_SIZE = _HEADER.size
 MAX_PAYLOAD = 1 << 30  # a length beyond this is a corrupt header, not a record
 
 
-def frame(payload: bytes) -> bytes:
+def frame_header(payload: bytes) -> bytes:
+    """The 12 bytes that go before `payload` in its frame."""
     length = struct.pack("<I", len(payload))
-    return MAGIC + length + struct.pack("<I", zlib.crc32(payload, zlib.crc32(length))) + payload
+    return MAGIC + length + struct.pack("<I", zlib.crc32(payload, zlib.crc32(length)))
+
+
+def frame(payload: bytes) -> bytes:
+    return frame_header(payload) + payload
 
 
 @dataclass(frozen=True)

@@ -1,22 +1,14 @@
-"""Snapshots out of a live engine: after each step, every tracked request's new tokens, rounds and RNG
-state become one `Progress`, and finished results one `Finished`; the store gets them in one call."""
+"""Snapshots out of a live engine: after each step, every tracked request's new tokens and rounds become
+one `Progress`, and finished results one `Finished`; the store gets them in one call."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 
-import torch
-
 from ..batch_loop import BatchEngine
 from ..stats import RequestResult
-from .engine_state import engine_state
+from .engine_state import EngineStateWriter
 from .snapshot import Finished, Progress, SnapshotStore
-
-
-def rng_state(generator: torch.Generator | None) -> memoryview | None:
-    """A sampler's full state, its bytes viewed in place (get_state makes a fresh copy; copying it again to
-    `bytes` cost more than getting it, at 5 KB a request a step); None for a greedy request."""
-    return None if generator is None else memoryview(generator.get_state().numpy())
 
 
 class StepRecorder:
@@ -25,6 +17,7 @@ class StepRecorder:
     def __init__(self, store: SnapshotStore) -> None:
         self.store = store
         self._seen: dict[int, list] = {}  # engine id -> [key, tokens recorded, rounds recorded]
+        self._engine_state = EngineStateWriter()
 
     def track(self, engine_id: int, key: str, tokens: int = 0, rounds: int = 0) -> None:
         self._seen[engine_id] = [key, tokens, rounds]
@@ -42,12 +35,12 @@ class StepRecorder:
             if len(tokens) <= n:
                 continue
             progress.append(Progress(key, n, tokens[n:], accepted[rounds:], result.proposal_lengths[rounds:],
-                                     rng_state(a.generator), a.backlog))
+                                     a.backlog))
             seen[1], seen[2] = len(tokens), len(accepted)
         finished = [self._finished(self._seen.pop(rid)[0], result)
                     for rid, result in done.items() if rid in self._seen]
         if progress or finished:
-            self.store.stepped(engine.steps_run, progress, finished, engine_state(engine) if progress else None)
+            self.store.stepped(engine.steps_run, progress, finished, self._engine_state(engine) if progress else None)
 
     def failed(self, engine_id: int, result: RequestResult) -> None:
         """A request that ended outside a normal step (its step raised): recorded as finished."""

@@ -1,9 +1,6 @@
-"""Snapshots back into an engine: the committed tokens and sampler a resumed request starts from, checked."""
+"""Snapshots back into an engine: the committed tokens a resumed request starts from, checked."""
 
 from __future__ import annotations
-
-import numpy as np
-import torch
 
 from ..requests import RequestError
 from .snapshot import RequestSnapshot
@@ -20,20 +17,3 @@ def resumed_tokens(snapshot: RequestSnapshot, vocab_size: int, max_new_tokens: i
         raise RequestError(f"snapshot of {snapshot.spec.key}: {len(tokens)} committed tokens, max_new_tokens is "
                            f"{max_new_tokens}: it had finished")
     return tokens
-
-
-def resumed_generator(snapshot: RequestSnapshot, temperature: float, seed: int) -> torch.Generator | None:
-    """The request's sampler: at the snapshot's RNG state, or at its seed when it never drew (no tokens)."""
-    if temperature <= 0:
-        return None
-    generator = torch.Generator().manual_seed(seed)
-    if snapshot.rng_state is None:
-        if snapshot.tokens:
-            raise RequestError(f"snapshot of {snapshot.spec.key}: a sampled request with tokens but no RNG state")
-        return generator
-    state = torch.from_numpy(np.frombuffer(snapshot.rng_state, dtype=np.uint8).copy())
-    try:
-        generator.set_state(state)
-    except RuntimeError as exc:
-        raise RequestError(f"snapshot of {snapshot.spec.key}: unusable RNG state ({exc})") from None
-    return generator

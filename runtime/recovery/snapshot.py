@@ -1,10 +1,11 @@
 """Request snapshots: what a request needs to continue after its engine is gone, and the stores that
 keep them.
 
-Per step, a running request's snapshot is its committed tokens (as a delta since the last record),
-its sampler's RNG state, and the step reached; settings go once, at submission (`RequestSpec`). No KV:
-a resumed request's KV is rebuilt by one prefill of prompt + committed tokens, and its next anchor is
-its last committed token, so the resumed engine draws the RNG exactly where the dead one stopped.
+Per step, a running request's snapshot is its committed tokens (as a delta since the last record) and
+the step reached; settings go once, at submission (`RequestSpec`). No KV: a resumed request's KV is
+rebuilt by one prefill of prompt + committed tokens, and its next anchor is its last committed token.
+No RNG state either: a sampler is re-seeded every round from the request's seed and its committed
+tokens (`sampling.round_seed`), so the resumed engine draws exactly what the dead one would have.
 
 `SnapshotStore` is the interface a store implements (the journal file of `dspark serve --journal`;
 a store that outlives a replica, such as a detached actor, fits the same four calls), and
@@ -35,14 +36,13 @@ class RequestSpec:
 
 @dataclass(slots=True)  # made 64 times a step: slots, not frozen (a frozen init costs ~3x)
 class Progress:
-    """One request's change over one step: tokens first.. (and its rounds), then its RNG state."""
+    """One request's change over one step: tokens first.. and its rounds."""
 
     key: str
     first: int  # tokens recorded before this delta
     tokens: list[int]
     acceptance_lengths: list[int]  # rounds since the last record
     proposal_lengths: list[int]
-    rng_state: bytes | memoryview | None  # the sampler's state after the step (None: greedy)
     backlog: int = 0  # context rows its drafter has not seen (the drafting gate prices them)
 
 
@@ -63,7 +63,6 @@ class RequestSnapshot:
     tokens: list[int] = field(default_factory=list)
     acceptance_lengths: list[int] = field(default_factory=list)
     proposal_lengths: list[int] = field(default_factory=list)
-    rng_state: bytes | memoryview | None = None
     step: int = -1  # the engine step of the last record (-1: never stepped)
     backlog: int = 0
     finish_reason: str | None = None
@@ -118,7 +117,7 @@ class SnapshotTable:
         snap.tokens += p.tokens
         snap.acceptance_lengths += p.acceptance_lengths
         snap.proposal_lengths += p.proposal_lengths
-        snap.rng_state, snap.step, snap.backlog = p.rng_state, step, p.backlog
+        snap.step, snap.backlog = step, p.backlog
 
     def finish(self, step: int, f: Finished) -> None:
         snap = self.running.pop(f.key, None)
@@ -126,7 +125,7 @@ class SnapshotTable:
             return
         snap.tokens, snap.finish_reason, snap.step = list(f.tokens), f.reason, step
         snap.acceptance_lengths, snap.proposal_lengths = list(f.acceptance_lengths), list(f.proposal_lengths)
-        snap.rng_state, snap.broken = None, False
+        snap.broken = False
         self.finished[f.key] = snap
         while len(self.finished) > self.keep_finished:
             self.finished.popitem(last=False)
