@@ -11,6 +11,10 @@ request, and retries a request no token of which was delivered when its replica 
 is its own deployment (Ray Serve still restarts a dead one), and with several ingress replicas each routes
 on its own ledger plus the replicas' reports.
 
+With `recovery` (the default), every replica records its requests' snapshots into one detached named actor,
+the snapshot keeper (snapshot_keeper.py; created by whichever process asks first, `get_if_exists`), and the
+ingress moves the requests of a replica that dies to a live one from those snapshots (remote_request.py).
+
     serve run dspark.runtime.cluster.deploy:app_builder engine=/path/to/engine replicas=2 routing=weighted
 """
 
@@ -28,13 +32,31 @@ from starlette.routing import BaseRoute, Route
 
 from ..api import RuntimeOptions
 from ..prefix_scheduler import SchedulerConfig
+from ..recovery.snapshot import SnapshotStore
 from ..serving.app import ServerConfig, create_app
 from . import fleet_metrics
 from .fleet import POLL_INTERVAL, Fleet
 from .replica import EngineReplica, EngineSpec
 from .routing import POLICIES, Router
+from .snapshot_keeper import KEEPER_NAME, KEEPER_NAMESPACE, KeeperStore, SnapshotKeeper
 
 METRICS_TIMEOUT = 5.0  # a replica that does not answer a scrape within this is left out of it
+
+
+def keeper_handle() -> Any:
+    """The snapshot keeper's actor handle: the detached named actor, started here if it does not exist yet
+    (no CPU of its own; it outlives the replicas, the ingress and the application: `ray.kill` ends it)."""
+    import ray
+
+    return ray.remote(SnapshotKeeper).options(name=KEEPER_NAME, namespace=KEEPER_NAMESPACE, lifetime="detached",
+                                              get_if_exists=True, num_cpus=0).remote()
+
+
+def keeper_store(table: str) -> SnapshotStore:
+    """A replica's snapshot store: its table in the keeper (`EngineReplica(store=keeper_store)`)."""
+    import ray
+
+    return KeeperStore(keeper_handle(), table, get=ray.get)
 
 
 @serve.ingress()
@@ -42,10 +64,10 @@ class Ingress:
     """The HTTP entry: the OpenAI app over a Fleet of the engine deployments' handles."""
 
     async def __init__(self, engines: list[Any], names: list[str], config: ServerConfig, policy: str,
-                       seed: int = 0, poll_interval: float = POLL_INTERVAL) -> None:
+                       seed: int = 0, poll_interval: float = POLL_INTERVAL, recovery: bool = True) -> None:
         self.config, self.policy = config, policy
         self.fleet = await Fleet.start(list(zip(names, engines, strict=True)), Router(policy, seed=seed),
-                                       poll_interval)
+                                       poll_interval, keeper=keeper_handle() if recovery else None)
 
     def __serve_build_asgi_app__(self) -> Any:
         return create_app(self.fleet, self.config, observability=self._routes())
@@ -72,7 +94,8 @@ class Ingress:
             return Response(fleet_metrics.render(families), media_type="text/plain; version=0.0.4; charset=utf-8")
 
         async def replicas(request: Request) -> Response:
-            return JSONResponse({"policy": self.policy, "replicas": [
+            return JSONResponse({"policy": self.policy, "migrated": fleet.migrated, "diverged": fleet.diverged,
+                                 "replicas": [
                 {"name": r.name, "up": r.up, "why_down": r.why_down, "host": r.info.host, "pid": r.info.pid,
                  "in_flight": r.in_flight, "in_flight_work": r.in_flight_work, "routed": r.routed,
                  "verification_budget": r.report.verification_budget if r.report else None,
@@ -100,8 +123,9 @@ async def _gather_texts(pending: dict[str, Any]) -> dict[str, bytes]:
 
 def build_app(spec: EngineSpec, *, replicas: int = 2, policy: str = "weighted", config: ServerConfig | None = None,
               max_queue: int = 1024, cpus_per_replica: float = 1.0, seed: int = 0,
-              poll_interval: float = POLL_INTERVAL) -> Application:
-    """The application: `replicas` engine deployments named dspark-engine-0.. and the ingress (route /)."""
+              poll_interval: float = POLL_INTERVAL, recovery: bool = True) -> Application:
+    """The application: `replicas` engine deployments named dspark-engine-0.. and the ingress (route /).
+    `recovery`: snapshots in the keeper, and a dead replica's requests moved to a live one."""
     if replicas < 1:
         raise ValueError(f"replicas must be >= 1, got {replicas}")
     if policy not in POLICIES:
@@ -114,11 +138,12 @@ def build_app(spec: EngineSpec, *, replicas: int = 2, policy: str = "weighted", 
                               ray_actor_options={"num_cpus": cpus_per_replica}, health_check_period_s=2,
                               health_check_timeout_s=30, graceful_shutdown_timeout_s=5,
                               logging_config={"enable_access_log": False})
-               .bind(spec, name, max_queue, config.max_tokens_per_request) for name in names]
+               .bind(spec, name, max_queue, config.max_tokens_per_request, keeper_store if recovery else None)
+               for name in names]
     ingress = serve.deployment(Ingress).options(
         name="dspark-ingress", num_replicas=1, ray_actor_options={"num_cpus": 0},
         max_ongoing_requests=replicas * in_flight + 256, logging_config={"enable_access_log": False})
-    return ingress.bind(engines, names, config, policy, seed, poll_interval)
+    return ingress.bind(engines, names, config, policy, seed, poll_interval, recovery)
 
 
 def app_builder(args: dict[str, str]) -> Application:

@@ -5,43 +5,35 @@ event loop keeps its load and health current; the router's own ledger (requests 
 flight per replica) moves with every send, token and end.
 
 A replica that dies: requests it had not started on (no token delivered yet) are sent again to another
-replica, so a client sees nothing; requests it was generating fail with `RequestFailed` naming the replica
-(the tokens already streamed stand; no request recovery yet). The replica is routed around until a poll
-finds it (or Ray Serve's restart of it) answering again.
+replica, so a client sees nothing. Requests it was generating move, when the fleet has a snapshot keeper
+(snapshot_keeper.py): each is claimed from the dead replica's table and resumed on a live replica (KV rebuilt
+by prefill of its committed tokens), and its stream goes on with the tokens past what the client has, each
+re-decoded one checked against the one delivered (migration.py). Without a keeper they fail with
+`RequestFailed` naming the replica (the tokens already streamed stand). The replica is routed around until a
+poll finds it (or Ray Serve's restart of it) answering again.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import itertools
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
 from ..kv_cache import Admission, Capacity
 from ..requests import RequestError, stop_set, validate_request
-from ..serving.handle import LoadSnapshot, QueueFull, RequestFailed, ServiceClosed
-from ..stats import RequestResult
+from ..serving.handle import LoadSnapshot, ServiceClosed
 from ..text import TextCodec
-from .replica import Refusal, ReplicaInfo, ReplicaReport
-from .routing import NoReplica, ReplicaLoad, RequestCost, Router, remaining_work
+from .remote_request import FleetFull, RemoteRequest
+from .replica import ReplicaInfo, ReplicaReport
+from .routing import NoReplica, ReplicaLoad, RequestCost, Router
 
 log = logging.getLogger("dspark.cluster")
 POLL_INTERVAL = 0.05  # seconds between load polls of every replica
 POLL_TIMEOUT = 2.0  # a replica that does not answer a poll within this is down
-_KEYS = itertools.count(1)  # request keys on the replicas' streams
-
-
-class FleetFull(QueueFull):
-    """No replica can take the request (all down, or all queues full): the app's 429."""
-
-    def __init__(self, message: str, retry_after: int = 1) -> None:
-        Exception.__init__(self, message)
-        self.retry_after = retry_after
 
 
 class FleetRuntime:
@@ -90,9 +82,12 @@ class Replica:
 class Fleet:
     """The engine replicas behind one ingress. Make it with `await Fleet.start(...)` on the ingress's loop."""
 
-    def __init__(self, replicas: list[Replica], router: Router, poll_interval: float = POLL_INTERVAL) -> None:
+    def __init__(self, replicas: list[Replica], router: Router, poll_interval: float = POLL_INTERVAL,
+                 keeper: Any = None) -> None:
+        """`keeper`: the snapshot keeper's handle (`claim.remote`); None: requests of a dead replica fail."""
         first = replicas[0].info
-        self.replicas, self.router, self.poll_interval = replicas, router, poll_interval
+        self.replicas, self.router, self.poll_interval, self.keeper = replicas, router, poll_interval, keeper
+        self.migrated = self.diverged = 0  # requests moved off a dead replica; moved ones that failed the check
         self.runtime = FleetRuntime(first.info, first.text_dirs)
         self.max_new_tokens = first.max_new_tokens
         self.rejected = 0
@@ -101,15 +96,15 @@ class Fleet:
         self._pollers: list[asyncio.Task] = []
 
     @classmethod
-    async def start(cls, handles: Sequence[tuple[str, Any]], router: Router,
-                    poll_interval: float = POLL_INTERVAL) -> Fleet:
+    async def start(cls, handles: Sequence[tuple[str, Any]], router: Router, poll_interval: float = POLL_INTERVAL,
+                    keeper: Any = None) -> Fleet:
         """Ask every replica what it serves (waits for them to load), check they agree, start polling."""
         infos = await asyncio.gather(*(handle.describe.remote() for _, handle in handles))
         models = {(i.info, i.max_requests, i.max_tokens, i.max_seq_len, i.reserve_extra) for i in infos}
         if len(models) > 1:
             raise ValueError(f"the engine replicas serve different models or limits: {sorted(map(str, models))}")
         fleet = cls([Replica(name, handle, info) for (name, handle), info in zip(handles, infos, strict=True)],
-                     router, poll_interval)
+                     router, poll_interval, keeper)
         loop = asyncio.get_running_loop()
         fleet._pollers = [loop.create_task(task) for r in fleet.replicas
                           for task in (fleet._poll_forever(r), fleet._read_feed(r))]
@@ -228,153 +223,3 @@ class Fleet:
             log.warning("engine replica %s is up again (pid %d on %s)", replica.name, replica.info.pid,
                         replica.info.host)
         replica.up, replica.why_down = True, ""
-
-
-class RemoteRequest:
-    """A request sent to a replica, with the RequestHandle calls and fields the app uses: `astream`, `aresult`,
-    `result(0)`, `tokens`, `cancel`, `done`, `key` (None: the fleet keeps no journal)."""
-
-    key: str | None = None
-
-    def __init__(self, fleet: Fleet, payload: dict[str, Any], cost: RequestCost) -> None:
-        self.fleet, self.payload, self.cost = fleet, payload, cost
-        self.prompt_ids, self.seed, self.context = payload["prompt_ids"], payload["seed"], {}
-        self.index, self.feed_key, self.feed_id = -1, 0, 0
-        self.delivered = 0
-        self.updates: asyncio.Queue = asyncio.Queue()  # from the replica's stream: tokens, result, refusal, error
-        self._tokens: list[int] = []
-        self._started: Any = None  # the replica's answer to `start`: None (taken) or a Refusal
-        self._work, self._held = 0.0, False
-        self._result: RequestResult | None = None
-        self._error: BaseException | None = None
-        self._done = False
-
-    @property
-    def done(self) -> bool:
-        return self._done
-
-    @property
-    def replica(self) -> str:
-        return self.fleet.replicas[self.index].name
-
-    def dispatch(self, exclude: frozenset[int]) -> None:
-        self.index = self.fleet.route(self.cost, exclude)
-        self._work, self._held = self.cost.work(self.fleet.router.prefill_weight), True
-        replica = self.fleet.replicas[self.index]
-        self.feed_key, self.feed_id = next(_KEYS), replica.feed_id
-        self.updates = asyncio.Queue()
-        replica.requests[self.feed_key] = self
-        self._started = replica.handle.start.remote(self.feed_id, self.feed_key, **self.payload)
-
-    def tokens(self) -> list[int]:
-        """The tokens delivered so far (a copy)."""
-        return list(self._tokens)
-
-    async def astream(self, start: int = 0) -> AsyncIterator[list[int]]:
-        """New tokens as the replica commits them (after the first `start`); RequestFailed when the replica
-        failed the request or died while generating it. Leaving early cancels the request."""
-        if self._done:  # read again after its end (as a RequestHandle can be): what it delivered
-            if self._tokens[start:]:
-                yield self._tokens[start:]
-            if self._error is not None:
-                raise self._error
-            return
-        tried: set[int] = set()
-        try:
-            while not self._done:
-                try:
-                    if self._started is not None:
-                        started, self._started = self._started, None
-                        refusal = await started
-                        if refusal is not None:
-                            self._refused(refusal)
-                        continue
-                    item = await self.updates.get()
-                    if isinstance(item, list):
-                        self._progress(item)
-                        if self.delivered > start:
-                            yield item[max(start - self.delivered + len(item), 0):]
-                    elif isinstance(item, Refusal):
-                        self._refused(item)
-                    elif isinstance(item, BaseException):
-                        raise item
-                    else:
-                        self._finish(result=item)
-                except _Retry:
-                    tried.add(self.index)
-                    self._redispatch(tried)
-                except asyncio.CancelledError:
-                    raise
-                except Exception as exc:  # Ray's: the replica's process died or is unreachable
-                    self.fleet.replicas[self.index].mark_down(f"{type(exc).__name__} during a request")
-                    tried.add(self.index)
-                    if self.delivered == 0:
-                        self._redispatch(tried)
-                        continue
-                    self._finish(error=RequestFailed(
-                        f"engine replica {self.replica} died during this request ({type(exc).__name__}) after "
-                        f"{self.delivered} tokens; the request is lost: send it again (no request recovery yet)"))
-            if self._error is not None:
-                raise self._error
-        finally:
-            if not self._done:
-                self.cancel()
-
-    def result(self, timeout: float | None = None) -> RequestResult:
-        if not self._done:
-            raise TimeoutError("the request has not finished")
-        if self._error is not None:
-            raise self._error
-        return self._result
-
-    async def aresult(self) -> RequestResult:
-        async for _ in self.astream():
-            pass
-        return self.result(0)
-
-    def cancel(self) -> None:
-        if self._done:
-            return
-        self._finish(result=RequestResult(-1, self.payload["prompt_ids"], [], finish_reason="cancelled"))
-        with contextlib.suppress(Exception):  # the replica gone: nothing left to cancel
-            self.fleet.replicas[self.index].handle.cancel.remote(self.feed_id, self.feed_key)
-
-    # -- pieces ---------------------------------------------------------------------------------------
-    def _progress(self, tokens: list[int]) -> None:
-        self._tokens += tokens
-        self.delivered = len(self._tokens)
-        left = remaining_work(self.cost.prompt_tokens, self.cost.max_new_tokens, self.delivered,
-                              self.fleet.router.prefill_weight)
-        self.fleet.replicas[self.index].in_flight_work -= self._work - left
-        self._work = left
-
-    def _refused(self, refusal: Refusal) -> None:
-        if refusal.status in (429, 503) and self.delivered == 0:
-            raise _Retry
-        self._finish(error=RequestFailed(refusal.message))
-
-    def _redispatch(self, tried: set[int]) -> None:
-        """Send the request (no token delivered yet) to a replica it has not tried; it fails when none is left."""
-        self._release()
-        try:
-            self.dispatch(frozenset(tried))
-        except FleetFull as exc:
-            self._finish(error=RequestFailed(f"no engine replica could take this request: {exc}"))
-
-    def _release(self) -> None:
-        if self._held:
-            replica = self.fleet.replicas[self.index]
-            replica.in_flight -= 1
-            replica.in_flight_work -= self._work
-            replica.requests.pop(self.feed_key, None)
-            self._work, self._held = 0.0, False
-
-    def _finish(self, *, result: RequestResult | None = None, error: BaseException | None = None) -> None:
-        if self._done:
-            return
-        self._done, self._result, self._error = True, result, error
-        self._release()
-
-
-class _Retry(Exception):
-    """The replica refused a request it had not started: send it to another."""

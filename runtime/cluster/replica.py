@@ -1,7 +1,9 @@
 """One engine replica: a Runtime and its EngineService (one decode loop) in a Ray Serve replica's process, with
 the calls the ingress makes: `describe` (model, limits, where the tokenizer is), `load` (what the router
 weighs), `subscribe` (the ingress's stream of every step's updates, feed.py), `start` and `cancel` (a request
-on that stream), `metrics_text` (its `dspark:` exposition).
+on that stream), `adopt` (a request another replica was generating, from its snapshot: migration.py),
+`metrics_text` (its `dspark:` exposition). With a `store` factory, every step's snapshots go to a store of its
+own (snapshot_keeper.py: a detached actor's table that outlives this process).
 Plain Python: deploy.py wraps it with `serve.deployment`, so this module needs no Ray to import or test.
 """
 
@@ -10,7 +12,8 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
-from collections.abc import AsyncIterator
+import uuid
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,8 +21,9 @@ from ..api import Runtime, RuntimeOptions
 from ..cost_model import StepCost
 from ..kv_cache import CapacityError
 from ..model_info import ModelInfo
+from ..recovery.snapshot import RequestSnapshot, SnapshotStore
 from ..requests import RequestError
-from ..serving.handle import LoadSnapshot, QueueFull, ServiceClosed
+from ..serving.handle import LoadSnapshot, QueueFull, RequestHandle, ServiceClosed
 from ..serving.metrics import ServingMetrics
 from ..serving.service import EngineService
 from ..stats import RequestResult, StepRecord
@@ -68,6 +72,7 @@ class ReplicaInfo:
     text_dirs: tuple[str, ...]
     host: str
     pid: int
+    table: str | None = None  # its snapshot table in the keeper (None: no store)
 
 
 @dataclass(frozen=True)
@@ -91,14 +96,19 @@ class Refusal:
 class EngineReplica:
     """The body of the engine deployment (one per Ray Serve replica)."""
 
-    def __init__(self, spec: EngineSpec, name: str, max_queue: int = 1024, max_new_tokens: int | None = None) -> None:
+    def __init__(self, spec: EngineSpec, name: str, max_queue: int = 1024, max_new_tokens: int | None = None,
+                 store: Callable[[str], SnapshotStore] | None = None) -> None:
+        """`store(table)`: the snapshot store of this incarnation (a table name no earlier one used, so a
+        restarted replica resumes nothing the ingress has moved elsewhere)."""
         self.name, self.spec = name, spec
         self.runtime = spec.open()
         # The router holds each replica to `max_queue` waiting requests by its own count; the service's limit is
         # one batch larger, since the router may send a whole batch before the loop admits any of it.
         self.max_queue = max_queue
+        self.table = f"{name}@{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}" if store else None
+        self.store = store(self.table) if store is not None else None
         self.service = EngineService(self.runtime, max_queue=max_queue + spec.options.max_requests,
-                                     max_new_tokens=max_new_tokens)
+                                     max_new_tokens=max_new_tokens, store=self.store)
         self.metrics = ServingMetrics(self.service)
         self._budget = 0.0
         self._closed = False
@@ -112,7 +122,7 @@ class EngineReplica:
                            capacity.max_seq_len, self.max_queue, self.service.max_new_tokens,
                            self.service.engine.positions_needed(0, 0),
                            tuple(str(Path(d).resolve()) for d in self.runtime.text_dirs), socket.gethostname(),
-                           os.getpid())
+                           os.getpid(), self.table)
 
     def load(self) -> ReplicaReport:
         work = sum(feed.remaining_work() for feed in list(self._feeds.values()))
@@ -137,16 +147,25 @@ class EngineReplica:
             feed.cancel_all()
 
     async def start(self, feed_id: int, key: int, prompt_ids: list[int], max_new_tokens: int, temperature: float,
-                    seed: int, stop: list[int | str]) -> Refusal | None:
-        """Submit a request whose updates go to that feed; a Refusal when it is not taken."""
+                    seed: int, stop: list[int | str], uid: str | None = None) -> Refusal | None:
+        """Submit a request whose updates go to that feed; a Refusal when it is not taken. `uid`: its key in the
+        snapshot store (the ingress claims it by that key if this replica dies)."""
+        return self._take(feed_id, key, lambda: self.service.submit(
+            prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, stop=stop, key=uid))
+
+    async def adopt(self, feed_id: int, key: int, snapshot: RequestSnapshot) -> Refusal | None:
+        """Continue a request another replica was generating, from its snapshot; its updates go to that feed
+        from token 0 (the snapshot's tokens first). A Refusal when it is not taken."""
+        return self._take(feed_id, key, lambda: self.service.resume(snapshot))
+
+    def _take(self, feed_id: int, key: int, submit: Callable[[], RequestHandle]) -> Refusal | None:
         feed = self._feeds.get(feed_id)
         if feed is None:
             return Refusal(503, f"{self.name}: feed {feed_id} is closed")
         if not feed.wanted(key):
             return None
         try:
-            handle = self.service.submit(prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature,
-                                         seed=seed, stop=stop)
+            handle = submit()
         except QueueFull as exc:
             return Refusal(429, str(exc), exc.retry_after)
         except (RequestError, CapacityError) as exc:
@@ -171,6 +190,8 @@ class EngineReplica:
         if not self._closed:
             self._closed = True
             self.service.close()
+            if self.store is not None:
+                self.store.close()
             self.runtime.close()
 
     def __del__(self) -> None:

@@ -26,6 +26,7 @@ from dataclasses import replace
 from ..api import Runtime, Stop, finish_at_stop_strings
 from ..batch_loop import BatchEngine
 from ..recovery.engine_state import restore_engine_state
+from ..recovery.resume import resumed_tokens
 from ..recovery.service_journal import ServiceJournal
 from ..recovery.snapshot import RequestSnapshot, SnapshotStore
 from ..requests import RequestError, stop_set, validate_request
@@ -68,6 +69,7 @@ class EngineService:
         self._inbox: deque[RequestHandle] = deque()
         self._cancels: deque[RequestHandle] = deque()
         self._handles: dict[int, RequestHandle] = {}  # engine request id -> handle (loop thread)
+        self._resuming: dict[int, RequestSnapshot] = {}  # handle id -> snapshot, for `resume`d handles in the inbox
         self._watches: dict[int, StopWatch] = {}
         self._step_listeners: list[StepListener] = []
         self._finish_listeners: list[FinishListener] = []
@@ -111,6 +113,36 @@ class EngineService:
                                    temperature=float(temperature), seed=seed, stop_ids=stop_ids, stop_strings=strings)
             if self.journal is not None:  # `key`: the front end's id for it (unique); `context`: its fields
                 handle.key, handle.context = key or f"req-{uuid.uuid4().hex}", dict(context or {})
+            self._inbox.append(handle)
+            self._counts["submitted"] += 1
+        self._wake.set()
+        return handle
+
+    def resume(self, snapshot: RequestSnapshot) -> RequestHandle:
+        """Continue another engine's request from its snapshot (same key): its committed tokens are prefilled,
+        then it decodes on as it would have there. Thread-safe, checked in the caller's thread like `submit`
+        (RequestError / CapacityError, QueueFull, ServiceClosed). The handle's tokens start with the snapshot's.
+        With a store, the request is recorded from its snapshot on (the store's `adopted`, when it has one)."""
+        spec = snapshot.spec
+        if snapshot.finish_reason is not None:
+            raise RequestError(f"snapshot of {spec.key}: it had finished ({snapshot.finish_reason})")
+        engine, info = self.engine, self.runtime.info
+        ids = validate_request(spec.prompt_ids, vocab_size=info.vocab_size, max_positions=info.max_positions,
+                               max_new_tokens=spec.max_new_tokens, temperature=spec.temperature)
+        stop_set(spec.stop_ids, info.vocab_size)
+        tokens = resumed_tokens(snapshot, info.vocab_size, spec.max_new_tokens)
+        engine.admission.check_servable(engine.positions_needed(len(ids), spec.max_new_tokens))
+        with self._lock:
+            if self._stop.is_set():
+                raise ServiceClosed("the engine service is closed")
+            waiting = len(self._inbox) + self._engine_queued
+            if waiting >= self.max_queue:
+                raise QueueFull(waiting, self.max_queue)
+            handle = RequestHandle(self, next(self._ids), ids, max_new_tokens=spec.max_new_tokens,
+                                   temperature=float(spec.temperature), seed=spec.seed, stop_ids=list(spec.stop_ids),
+                                   stop_strings=tuple(spec.stop_strings))
+            handle.key, handle.context, handle._tokens = spec.key, dict(spec.context), tokens
+            self._resuming[handle.id] = snapshot
             self._inbox.append(handle)
             self._counts["submitted"] += 1
         self._wake.set()
@@ -215,21 +247,26 @@ class EngineService:
             self._engine_queued += len(new)  # still waiting, now for the engine: keeps the queue limit exact
         now = time.monotonic()
         for handle in new:
+            with self._lock:
+                snapshot = self._resuming.pop(handle.id, None)
             if handle._cancel_requested:
-                self._end(handle, RequestResult(-1, handle.prompt_ids, [], finish_reason="cancelled"), now)
+                self._end(handle, RequestResult(-1, handle.prompt_ids, handle.tokens(), finish_reason="cancelled"), now)
                 continue
             try:
                 handle.engine_id = self.engine.submit(handle.prompt_ids, max_new_tokens=handle.max_new_tokens,
                                                       temperature=handle.temperature, seed=handle.seed,
-                                                      stop_token_ids=handle.stop_ids)
-            except Exception as exc:  # validated in submit(); only a changed engine rule gets here
-                self._end(handle, RequestResult(-1, handle.prompt_ids, [], finish_reason="error"), now, exc)
+                                                      stop_token_ids=handle.stop_ids, resume_from=snapshot)
+            except Exception as exc:  # validated in submit() / resume(); only a changed engine rule gets here
+                failed = RequestResult(-1, handle.prompt_ids, handle.tokens(), finish_reason="error")
+                self._end(handle, failed, now, exc)
                 continue
             self._handles[handle.engine_id] = handle
             if handle.stop_strings:
                 self._watches[handle.engine_id] = StopWatch(self.runtime.tokenizer, handle.stop_strings)
             if self.journal is not None:
-                self.journal.submitted(handle)
+                if snapshot is not None and (adopted := getattr(self.journal.store, "adopted", None)) is not None:
+                    adopted(snapshot)  # the store learns the request before its first step record
+                self.journal.submitted(handle, snapshot)
         for handle in cancels:
             if handle.engine_id is not None and handle.engine_id in self._handles:
                 self.engine.cancel(handle.engine_id)
