@@ -162,7 +162,7 @@ def expected(rt, prompt, temperature, seed, max_tokens):
 
 def migrate(kept, cases, *, freeze: bool = False, tamper=None, max_tokens: int = MAX_TOKENS):
     """`cases` (prompt, temperature, seed) streamed at once (round-robin: the first on engine-0); engine-0
-    dies once each has delivered a token (with `freeze`, its table stops taking records at the first token).
+    dies once each has delivered a token (with `freeze`, its table stops taking records once it holds a token).
     Returns each stream's chunks, its error (or None), the replicas that served it, and the fleet's counts."""
     replicas, keeper, rt = kept
 
@@ -177,7 +177,9 @@ def migrate(kept, cases, *, freeze: bool = False, tamper=None, max_tokens: int =
             served = [{r.replica} for r in requests]
             streams = [r.astream() for r in requests]
             chunks = [[await s.__anext__()] for s in streams]
-            if freeze:
+            if freeze:  # once the keeper holds a token of engine-0's request (its records are sent behind)
+                while not any(s.tokens for s in keeper.recover.remote(replicas[0].table).running):
+                    await asyncio.sleep(0.001)
                 keeper.frozen.add(replicas[0].table)
                 for _ in range(3):  # the client gets tokens the keeper never hears of
                     chunks[0].append(await streams[0].__anext__())
@@ -234,8 +236,9 @@ def test_a_keeper_that_lags_the_client_costs_re_decoding_not_tokens(kept):
 
 
 def test_a_resumed_stream_that_disagrees_with_the_client_fails_without_a_wrong_token(kept):
-    def tamper(snapshot):
-        snapshot.tokens[0] = (snapshot.tokens[0] + 1) % 100  # a committed token the client was sent differently
+    def tamper(snapshot):  # a committed token the client was sent differently; running, so it is resumed
+        snapshot.tokens, snapshot.finish_reason = [(snapshot.tokens[0] + 1) % 100], None
+        snapshot.acceptance_lengths, snapshot.proposal_lengths = [1], [1]
 
     chunks, errors, _, counts, _ = migrate(kept, [([71, 72, 73], 0.0, 0)], tamper=tamper)
     want = expected(kept[2], [71, 72, 73], 0.0, 0, MAX_TOKENS)
@@ -258,3 +261,24 @@ def test_resume_checks_a_snapshot_in_the_callers_thread(kept):
     handle = service.resume(RequestSnapshot(_spec("z"), [4, 5]))  # 50 new tokens, 2 of them committed already
     result = handle.result(60)
     assert result.tokens[:2] == [4, 5] and len(result.tokens) == 50 and handle.key == "z"
+
+
+def test_a_request_the_keeper_saw_finish_ends_from_its_finished_snapshot(kept):
+    want = expected(kept[2], [81, 82], 0.0, 0, MAX_TOKENS)
+
+    def finished(snapshot):  # as if its last step's record (its end) reached the keeper, its tokens not the client
+        snapshot.tokens, snapshot.finish_reason = list(want), "length"
+
+    chunks, errors, served, counts, moves = migrate(kept, [([81, 82], 0.0, 0)], tamper=finished)
+    assert errors == [None] and moves == [1] and counts == (1, 0)
+    assert [x for c in chunks[0] for x in c] == want and served[0] == {"engine-0"}  # not decoded again
+
+
+def test_a_finished_snapshot_that_disagrees_with_the_client_fails_without_a_wrong_token(kept):
+    def finished(snapshot):  # its recorded end differs from what the client was sent at index 0
+        want = expected(kept[2], [91, 92], 0.0, 0, MAX_TOKENS)
+        snapshot.tokens, snapshot.finish_reason = [(want[0] + 1) % 100, *want[1:]], "length"
+
+    chunks, errors, _, counts, _ = migrate(kept, [([91, 92], 0.0, 0)], tamper=finished)
+    assert "its end as the snapshot keeper recorded it (engine replica engine-0 died)" in str(errors[0])
+    assert counts == (1, 1) and len([x for c in chunks[0] for x in c]) > 0

@@ -53,6 +53,7 @@ class RemoteRequest:
         self._received = 0  # tokens of the current replica's stream (it restarts at 0 on a resumed request)
         self._snapshot = None  # what the request resumes from on its next replica (None: it starts afresh)
         self._started: Any = None  # the replica's answer to `start` / `adopt`: None (taken) or a Refusal
+        self._replayed = False  # its stream is the keeper's finished snapshot (the replica died after its end)
         self._work, self._held = 0.0, False
         self._result: RequestResult | None = None
         self._error: BaseException | None = None
@@ -117,9 +118,12 @@ class RemoteRequest:
                     self._redispatch(tried)
                 except Diverged as exc:
                     self.fleet.diverged += 1
+                    source = (f"its end as the snapshot keeper recorded it (engine replica {self.replica} died)"
+                              if self._replayed else f"request moved to engine replica {self.replica} after its "
+                              "replica died")
                     self._finish(error=RequestFailed(
-                        f"request moved to engine replica {self.replica} after its replica died: {exc}; it stops "
-                        f"after the {self.delivered} tokens sent, none of them wrong: send it again"))
+                        f"{source}: {exc}; it stops after the {self.delivered} tokens sent, none of them wrong: "
+                        "send it again"))
                 except asyncio.CancelledError:
                     raise
                 except Exception as exc:  # Ray's: the replica's process died or is unreachable
@@ -193,6 +197,7 @@ class RemoteRequest:
         self.migrations += 1
         self.fleet.migrated += 1
         if found is not None and found.finish_reason is not None:
+            self._replayed = True
             self.updates, self._received = asyncio.Queue(), 0
             self.updates.put_nowait(list(found.tokens))
             self.updates.put_nowait(finished_result(found))
