@@ -52,6 +52,7 @@ class BuildOptions:
     max_batch: int = 8
     max_seq_len: int = 1024
     threads: int = 1
+    spinning: bool = False  # ORT's worker threads busy-wait between calls (with threads != 1)
     optimization_level: str = "all"
     profile_past: int = 64
     warmup: int = 2
@@ -126,7 +127,7 @@ def build_engine(export_dir: str | Path, out_dir: str | Path, options: BuildOpti
             manifest["graphs"] = build_ort_graphs(source_dir, source, out_dir, level=options.optimization_level,
                                                   threads=options.threads, progress=progress, derived_from=export_dir)
         manifest["quantization"] = q
-        manifest["session"] = session_section(options.optimization_level, options.threads)
+        manifest["session"] = session_section(options.optimization_level, options.threads, options.spinning)
     elif flavour is not None:
         from .trt_builder import build_trt
 

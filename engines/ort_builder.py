@@ -102,7 +102,8 @@ def build_ort_graphs(
     return section
 
 
-def session_section(level: str, threads: int) -> dict[str, Any]:
-    return {"graph_optimization_level": level, "intra_op_threads": threads, "inter_op_threads": 1,
+def session_section(level: str, threads: int, spinning: bool = False) -> dict[str, Any]:
+    return {"graph_optimization_level": level, "intra_op_threads": threads, "intra_op_spinning": spinning,
+            "inter_op_threads": 1,
             "execution_mode": "sequential", "providers": ["CPUExecutionProvider"],
             "onnxruntime": ort.__version__, "contract": MANIFEST}

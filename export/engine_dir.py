@@ -18,7 +18,8 @@ SPS cost tables, STS temperatures, backend), bucket lookup, and `EngineDir`.
     graphs          {name: {file (relative to the engine dir), bytes, sha256, source (export file)}}
     limits          {max_batch, max_seq_len, verify_width, max_batch_tokens}
     buckets         [B_1 < B_2 < ...] verified-token bounds; TensorRT: one profile each
-    session         ORT: {graph_optimization_level, intra_op_threads, inter_op_threads, execution_mode}
+    session         ORT: {graph_optimization_level, intra_op_threads, intra_op_spinning, inter_op_threads,
+                    execution_mode}
     tensorrt        TRT: {flavour ("tensorrt" | "tensorrt-rtx"; absent section: tensorrt), version,
                     compute_capabilities ["8.9", ...], ahead_of_time, plugin_library, timing_cache,
                     runtime_cache, strongly_typed, profiles: {graph: [...]}, build_seconds, skipped,
@@ -242,6 +243,11 @@ class EngineDir:
     @property
     def intra_op_threads(self) -> int:
         return int(self.manifest.get("session", {}).get("intra_op_threads", 1))
+
+    @property
+    def intra_op_spinning(self) -> bool:
+        """Engines built before the setting existed ran ORT's default: spinning."""
+        return bool(self.manifest.get("session", {}).get("intra_op_spinning", True))
 
     def graph_path(self, name: str) -> Path:
         """The built file of one graph (ORT: optimized ONNX; TensorRT: the plan)."""

@@ -41,6 +41,7 @@ class OrtBackend(Backend):
         *,
         providers: list[str] | None = None,
         intra_op_threads: int = 0,  # 0 = ORT's default (all cores)
+        intra_op_spinning: bool = False,  # worker threads busy-wait between calls (ORT's default: True)
         of_engine: bool = False,  # read for an engine (for_engine): its derived export.json is expected
     ) -> None:
         super().__init__()
@@ -58,6 +59,9 @@ class OrtBackend(Backend):
                                 f"{ort.__version__} lacks", "install onnxruntime-gpu for CUDA, or use the CPU")
         self.options = ort.SessionOptions()
         self.options.intra_op_num_threads = intra_op_threads
+        # Spinning workers hold a core between graph calls, which the engine's own Python and a server's
+        # threads need on a small CPU (measured on 2 cores: docs/recovery.md, "Threads").
+        self.options.add_session_config_entry("session.intra_op.allow_spinning", "1" if intra_op_spinning else "0")
         self.options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         self._sessions: dict[str, ort.InferenceSession] = {}
 
@@ -65,7 +69,8 @@ class OrtBackend(Backend):
     def for_engine(cls, engine: EngineDir) -> OrtBackend:
         session = engine.manifest.get("session", {})
         return cls(engine.contract_dir, providers=session.get("providers"),
-                   intra_op_threads=engine.intra_op_threads, of_engine=True)
+                   intra_op_threads=engine.intra_op_threads, intra_op_spinning=engine.intra_op_spinning,
+                   of_engine=True)
 
     @property
     def specs(self) -> dict[str, C.GraphSpec]:

@@ -18,7 +18,7 @@ from dspark.engines import profiling
 from dspark.engines.calibration_data import collect_rounds
 from dspark.export import contract as C
 from dspark.export.cost_table import CostTable
-from dspark.export.engine_dir import load_engine_dir, read_engine_manifest
+from dspark.export.engine_dir import EngineDir, load_engine_dir, read_engine_manifest
 from dspark.export.manifest import graph_specs, read_manifest
 from dspark.export.pipeline import export_pair
 from dspark.runtime.api import Runtime, RuntimeOptions
@@ -56,6 +56,10 @@ def test_engine_dir_layout_and_manifest(engine_dir, export_dir):
     engine = load_engine_dir(engine_dir, verify_files=True)
     assert engine.graph_path("target").is_file() and engine.contract_dir == engine_dir
     assert manifest["session"]["graph_optimization_level"] == "all" and engine.intra_op_threads == 1
+    assert engine.intra_op_spinning is False  # built now: workers sleep between calls
+    assert OrtBackend.for_engine(engine).options.get_session_config_entry("session.intra_op.allow_spinning") == "0"
+    del manifest["session"]["intra_op_spinning"]  # an engine from before the setting ran ORT's default
+    assert EngineDir(engine_dir, manifest).intra_op_spinning is True
     assert manifest["calibration"] is None and engine.confidence_temperatures is None
 
 

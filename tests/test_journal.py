@@ -11,7 +11,7 @@ from test_serving_support import tiny_pair, tiny_runtime
 
 from dspark.runtime.api import Runtime, RuntimeOptions
 from dspark.runtime.prefix_scheduler import SchedulerConfig
-from dspark.runtime.recovery.engine_state import engine_state, restore_engine_state
+from dspark.runtime.recovery.engine_state import EngineStateWriter, engine_state, restore_engine_state
 from dspark.runtime.recovery.framing import HEADER_SIZE, frame, scan
 from dspark.runtime.recovery.journal import JournalError, JournalStore
 from dspark.runtime.recovery.recorder import StepRecorder
@@ -145,10 +145,17 @@ def runtime(request, tmp_path_factory):
         yield rt
 
 
-def _run(runtime, kill_after: int | None) -> dict[str, tuple[list[int], list[int]]]:
+def _run(runtime, kill_after: int | None, journal=None) -> dict[str, tuple[list[int], list[int]]]:
     """Every request's (tokens, acceptance lengths); with `kill_after`, the engine is dropped after that many
-    steps and a fresh one continues from the store's snapshots alone."""
-    engine, store = runtime.engine(), MemoryStore()
+    steps and a fresh one continues from the store's snapshots alone. `journal`: a directory whose journal is
+    the store, compacted after nearly every step (its running tokens then come from the recorder), closed at
+    the kill and read back by a fresh JournalStore."""
+    engine = runtime.engine()
+    if journal is None:
+        store = MemoryStore()
+    else:
+        store = JournalStore(journal, segment_bytes=200)
+        store.recover()
     gated = isinstance(runtime.cost_model, DearDrafting)
     assert (engine.gate is not None) == gated
     max_new = 44 if gated else MAX_NEW  # gated: past the gate's third probe (step 34), after the kill at 20
@@ -167,16 +174,24 @@ def _run(runtime, kill_after: int | None) -> dict[str, tuple[list[int], list[int
         recorder.record(engine, done)
         out.update({keys[r]: (v.tokens, v.acceptance_lengths) for r, v in done.items()})
         if steps == kill_after:
+            if journal is not None:
+                store.close()
+                store = JournalStore(journal)
             recovered = store.recover()
+            ids = {key: request_id for request_id, key in keys.items()}
+            for snap in recovered.running:  # every committed token is in the store, none beyond
+                assert snap.tokens == engine.tokens_so_far(ids[snap.spec.key])
             assert {s.spec.key for s in recovered.running} | set(out) == {f"r{i}" for i in range(len(REQUESTS))}
-            engine, keys = runtime.engine(), {}
+            engine, keys, recorder = runtime.engine(), {}, StepRecorder(store)
             for snap in recovered.running:
                 s = snap.spec
                 keys[engine.submit(s.prompt_ids, max_new_tokens=s.max_new_tokens, temperature=s.temperature,
                                    seed=s.seed, resume_from=snap)] = s.key
+                recorder.track(next(reversed(keys)), s.key, len(snap.tokens), len(snap.acceptance_lengths))
             assert restore_engine_state(engine, recovered.engine_state) is None
             killed = True
     assert killed or kill_after is None, "the run ended before the kill"
+    store.close()
     return out
 
 
@@ -194,6 +209,12 @@ def test_resumed_engine_gives_the_uninterrupted_tokens(runtime, whole, when):
     assert _run(runtime, kill_after) == whole  # every request, greedy and sampled, tokens and rounds alike
 
 
+def test_a_compacting_journal_resumes_the_uninterrupted_tokens(runtime, whole, tmp_path):
+    """Compaction writes the running requests as the recorder holds them (the journal keeps no copy per step)."""
+    kill_after = 20 if isinstance(runtime.cost_model, DearDrafting) else 4
+    assert _run(runtime, kill_after, journal=tmp_path) == whole
+
+
 def test_engine_state_refuses_a_gate_of_another_shape(runtime):
     engine = runtime.engine()
     if engine.gate is None:
@@ -203,3 +224,19 @@ def test_engine_state_refuses_a_gate_of_another_shape(runtime):
     state = engine_state(engine)
     assert restore_engine_state(runtime.engine(), state) is None
     assert "does not fit" in restore_engine_state(runtime.engine(), state[:-4])
+
+
+def test_engine_state_writer_sends_the_state_only_when_it_changed(runtime):
+    engine = runtime.engine()
+    if engine.gate is None:
+        pytest.skip("this engine has no drafting gate")
+    writer = EngineStateWriter()
+    first = writer(engine)
+    assert first is not None and writer(engine) is None  # unchanged: the store keeps the last one
+    engine.gate.skipped += 1
+    assert writer(engine) not in (None, first)
+    engine.gate.pool.append(engine.gate.prior)
+    engine.gate.pool_version += 1
+    changed = writer(engine)
+    assert changed is not None and restore_engine_state(runtime.engine(), changed) is None
+    assert writer(engine) is None

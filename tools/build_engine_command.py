@@ -51,6 +51,8 @@ def _quantize_options(quantize, quantize_drafter: bool, quant_block_size: int, q
               help="Most cached positions per request (capped at the model's max positions).")
 @click.option("--threads", default=1, show_default=True, type=click.IntRange(min=0),
               help="ONNX Runtime intra-op threads (0 = all cores).")
+@click.option("--spinning/--no-spinning", default=False, show_default=True,
+              help="With --threads != 1: ORT's worker threads busy-wait between graph calls.")
 @click.option("--profile-past", default=64, show_default=True, type=click.IntRange(min=0),
               help="Cached positions per request while profiling SPS.")
 @click.option("--repeats", default=5, show_default=True, type=click.IntRange(min=1),
@@ -68,7 +70,7 @@ def _quantize_options(quantize, quantize_drafter: bool, quant_block_size: int, q
               "independent; 4: int8 activations, faster, results move with the tokens per call).")
 @click.option("--quiet", is_flag=True, help="No progress lines.")
 def build_engine(export_dir, out_dir, backend, compute_capabilities, buckets, max_batch_tokens, max_batch,
-                 max_seq_len, threads, profile_past, repeats, calibrate_data, tokenizer, reprofile, quiet,
+                 max_seq_len, threads, spinning, profile_past, repeats, calibrate_data, tokenizer, reprofile, quiet,
                  **quantize_flags) -> None:
     """Build an ONNX Runtime or TensorRT engine from EXPORT_DIR, profile it, optionally calibrate it."""
     import shutil
@@ -93,7 +95,7 @@ def build_engine(export_dir, out_dir, backend, compute_capabilities, buckets, ma
     else:
         options = B.BuildOptions(backend=backend, buckets=parse_buckets(buckets) if buckets else None,
                                  max_batch_tokens=max_batch_tokens, max_batch=max_batch, max_seq_len=max_seq_len,
-                                 threads=threads, profile_past=profile_past, repeats=repeats,
+                                 threads=threads, spinning=spinning, profile_past=profile_past, repeats=repeats,
                                  compute_capabilities=tuple(c.strip() for c in (compute_capabilities or "").split(",")
                                                             if c.strip()))
         options = replace(options, quantize=_quantize_options(**quantize_flags))

@@ -18,19 +18,23 @@ _DTYPE_CODES = {"<f4": b"f4\0\0", "<f8": b"f8\0\0"}
 
 
 class EngineStateWriter:
-    """`engine_state` of one engine after each step; the pool is encoded again only when it changed (the gate's
-    `pool_version`), so a step that did not draft costs a struct.pack."""
+    """`engine_state` of one engine after each step, or None when it is what this writer returned last (a store
+    keeps the last state it got); the pool is encoded again only when it changed (the gate's `pool_version`)."""
 
     def __init__(self) -> None:
         self._key: tuple[int, int] | None = None
         self._pool = (b"", 0, 0, b"")  # dtype code, rows, width, bytes
+        self._skipped: int | None = None
 
     def __call__(self, engine: BatchEngine) -> bytes | None:
         gate = engine.gate
         if gate is None:
             return None
         if self._key != (key := (id(gate), gate.pool_version)):
-            self._key, self._pool = key, _encode_pool(gate.pool, engine.info.block_size)
+            self._key, self._pool, self._skipped = key, _encode_pool(gate.pool, engine.info.block_size), None
+        elif self._skipped == gate.skipped:
+            return None
+        self._skipped = gate.skipped
         code, rows, width, data = self._pool
         return _HEAD.pack(code, gate.skipped, rows, width) + data
 

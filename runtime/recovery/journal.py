@@ -31,7 +31,7 @@ import os
 import struct
 import threading
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
 
@@ -69,6 +69,8 @@ class JournalStore:
         self._lock = threading.Lock()  # the fd, against the fsync thread
         self._dirty = False
         self._closed = threading.Event()
+        self._live: Callable[[], list[Progress]] | None = None
+        self._step = -1
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
             self._lock_fd = os.open(self.directory / "LOCK", os.O_RDWR | os.O_CREAT, 0o644)
@@ -128,10 +130,16 @@ class JournalStore:
         self.table.submit(spec)
         self._append(_SUBMIT + json.dumps({"id": jid, **asdict(spec)}, separators=(",", ":")).encode())
 
+    def follow(self, live: Callable[[], list[Progress]]) -> None:
+        """From now on the running requests' tokens are not copied into the table every step: compaction
+        takes them from `live()` (the recorder's view, which holds them anyway: `StepRecorder.recorded`)."""
+        self._live = live
+
     def stepped(self, step: int, progress: Sequence[Progress], finished: Sequence[Finished],
                 engine_state: bytes | None = None) -> None:
         self._append(self._encode_step(step, progress, finished, engine_state))
-        self.table.step(step, progress, finished, engine_state)
+        self.table.step(step, progress if self._live is None else (), finished, engine_state)
+        self._step = max(self._step, step)
         for f in finished:
             self._forget(f.key)
         if self._size > self.segment_bytes:
@@ -221,6 +229,13 @@ class JournalStore:
         """The table as one fresh segment (written aside, flushed, renamed in), then the old ones go."""
         self._seq += 1
         path = self._path(self._seq)
+        if self._live is not None:
+            for p in self._live():
+                snap = self.table.running.get(p.key)
+                if snap is not None:
+                    snap.tokens, snap.acceptance_lengths, snap.proposal_lengths = p.tokens, p.acceptance_lengths, \
+                        p.proposal_lengths
+                    snap.step, snap.backlog = self._step, p.backlog
         live = {s.spec.key for s in self.table.running.values()} | set(self.table.finished)
         for key in [k for k in self._ids if k not in live]:
             self._forget(key)

@@ -16,27 +16,40 @@ class StepRecorder:
 
     def __init__(self, store: SnapshotStore) -> None:
         self.store = store
-        self._seen: dict[int, list] = {}  # engine id -> [key, tokens recorded, rounds recorded]
+        self._seen: dict[int, list] = {}  # engine id -> [key, tokens recorded, rounds recorded, its RunningRequest]
         self._engine_state = EngineStateWriter()
+        follow = getattr(store, "follow", None)  # a store that asks us for the running state, not keeping its own
+        if follow is not None:
+            follow(self.recorded)
 
     def track(self, engine_id: int, key: str, tokens: int = 0, rounds: int = 0) -> None:
-        self._seen[engine_id] = [key, tokens, rounds]
+        self._seen[engine_id] = [key, tokens, rounds, None]
+
+    def recorded(self) -> list[Progress]:
+        """Every tracked request that has stepped, as recorded so far: its whole tokens and rounds from 0."""
+        out = []
+        for key, n, rounds, a in self._seen.values():
+            if a is not None:
+                r = a.result
+                out.append(Progress(key, 0, r.tokens[:n], r.acceptance_lengths[:rounds], r.proposal_lengths[:rounds],
+                                    a.backlog))
+        return out
 
     def record(self, engine: BatchEngine, done: Mapping[int, RequestResult]) -> None:
         """After a step, before any client hears of it: the running rows' deltas and the finished results."""
         progress, seen_of = [], self._seen.get
-        for a in engine.active:  # the hot path: 64 rows a step
+        for a in engine.active:  # the hot path: 64 rows a step, run with the caches cold from the graphs
             result = a.result
             seen = seen_of(result.request_id)
             if seen is None:
                 continue
-            key, n, rounds = seen
-            tokens, accepted = result.tokens, result.acceptance_lengths
+            tokens, n = result.tokens, seen[1]
             if len(tokens) <= n:
                 continue
-            progress.append(Progress(key, n, tokens[n:], accepted[rounds:], result.proposal_lengths[rounds:],
-                                     a.backlog))
-            seen[1], seen[2] = len(tokens), len(accepted)
+            accepted, rounds = result.acceptance_lengths, seen[2]
+            progress.append(Progress(seen[0], n, tokens[n:], accepted[rounds:], result.proposal_lengths[rounds:],
+                                     a.pending_rows - a.fed))  # a.backlog, without the property call
+            seen[1], seen[2], seen[3] = len(tokens), len(accepted), a
         finished = [self._finished(self._seen.pop(rid)[0], result)
                     for rid, result in done.items() if rid in self._seen]
         if progress or finished:
