@@ -22,10 +22,11 @@ def resolve(dims: tuple[int | str, ...], sizes: dict[str, int]) -> tuple[int, ..
 
 
 def derived_sizes(sizes: dict[str, int]) -> dict[str, int]:
-    """Fill the summed dims (total, capacity_plus_tokens, context_total, block_total) from the rest."""
+    """Fill the derived dims (total, capacity_plus_tokens, logit_tokens, context_total) from the rest."""
     out = dict(sizes)
     if "tokens" in out:
         out.setdefault("total", out.get("past", 0) + out["tokens"])
+        out.setdefault("logit_tokens", out["tokens"])  # the fused target's logits: every position (verification)
         if "capacity" in out:
             out.setdefault("capacity_plus_tokens", out["capacity"] + out["tokens"])
     if "context_tokens" in out:
@@ -45,6 +46,8 @@ def random_feeds(
         if t.name in ("seqlens_k", "total_sequence_length"):  # fused target: every row at `past`
             total = sizes["past"] + sizes["tokens"]
             feeds[t.name] = np.full(shape, total - 1 if t.name == "seqlens_k" else total, dtype=np.int32)
+        elif t.name == "logits_rows":  # fused target: logits at positions 0 .. logit_tokens-1 of every row
+            feeds[t.name] = np.tile(np.arange(shape[-1], dtype=np.int64), (*shape[:-1], 1))
         elif t.name.endswith("position_ids"):
             start = sizes.get("context_past", 0) if t.name.startswith("context") else sizes.get("past", 0)
             feeds[t.name] = np.broadcast_to(np.arange(start, start + shape[-1]), shape).astype(np.int64)

@@ -37,6 +37,9 @@ max_b(past_b) + tokens; new token t of row b sits at position past_b + t and see
 (causal). `past_key_values.{i}.*` and `present.{i}.*` are one buffer [batch, kv_heads, capacity,
 head_dim] per layer and kind that the runtime binds as both (IO binding): the graph writes the new
 keys/values in place at slots past_b .. past_b + tokens - 1. Rows with fewer real tokens are right-padded.
+Logits (and greedy_ids) come only for the positions `logits_rows` [batch, logit_tokens] (int64) names in each
+row: every position (0 .. tokens-1) to verify, each prompt's last one to prefill, so a long prompt never makes
+[tokens, vocab] logits nor runs the LM head over them (exports made before this input have none: every position).
 `target_fused_tree.onnx` adds `position_ids` [batch, tokens] and a bool `attention_mask` [batch, 1,
 tokens, total_sequence_length] whose columns are absolute cache slots (True = may attend; the causal
 rule still applies on top, so it can only hide): flattened draft trees and hidden past slots.
@@ -186,6 +189,7 @@ def target_fused_spec(config: TargetConfig, feature_size: int, dtype: str, tree:
         TensorSpec("position_ids", "int64", ("batch", "tokens")),
         TensorSpec("attention_mask", "bool", ("batch", 1, "tokens", "total_sequence_length")),
     ) if tree else ()
+    logit_tokens = "tokens" if tree else "logit_tokens"
     return GraphSpec(
         TARGET_FUSED_TREE if tree else TARGET_FUSED,
         inputs=(
@@ -194,11 +198,12 @@ def target_fused_spec(config: TargetConfig, feature_size: int, dtype: str, tree:
             TensorSpec("total_sequence_length", "int32", ()),
             *tree_inputs,
             *_kv("past_key_values", config, "capacity", dtype),
+            *(() if tree else (TensorSpec("logits_rows", "int64", ("batch", logit_tokens)),)),
         ),
         outputs=(
-            TensorSpec("logits", dtype, ("batch", "tokens", config.vocab_size)),
+            TensorSpec("logits", dtype, ("batch", logit_tokens, config.vocab_size)),
             TensorSpec("context_features", dtype, ("batch", "tokens", feature_size)),
-            TensorSpec("greedy_ids", "int64", ("batch", "tokens")),
+            TensorSpec("greedy_ids", "int64", ("batch", logit_tokens)),
             *_kv("present", config, "capacity", dtype),
         ),
     )

@@ -52,6 +52,7 @@ class SharedKVRunner:
         self._bind_input("seqlens_k", self._seqlens)
         self._bind_input("total_sequence_length", self._total)
         self.tree = "position_ids" in types
+        self._all_rows = "logits_rows" in types  # logits at every position (exports before it had no input)
         outputs = {t.name: t for t in spec.outputs}
         self._vocab, self._features = outputs["logits"].dims[2], outputs["context_features"].dims[2]
         self._widths: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray, list]] = {}
@@ -67,13 +68,16 @@ class SharedKVRunner:
             ids = np.zeros((self.batch, tokens), np.int64)
             logits = np.zeros((self.batch, tokens, self._vocab), self._float)
             features = np.zeros((self.batch, tokens, self._features), self._float)
-            values = [ort.OrtValue.ortvalue_from_numpy(a) for a in (ids, logits, features)]
+            rows = np.tile(np.arange(tokens, dtype=np.int64), (self.batch, 1))
+            values = [ort.OrtValue.ortvalue_from_numpy(a) for a in (ids, logits, features, rows)]
             self._widths[tokens] = (ids, logits, features, values)
         ids, logits, features, values = self._widths[tokens]
         if self._bound_width != tokens:
             self.io.bind_ortvalue_input("input_ids", values[0])
             self.io.bind_ortvalue_output("logits", values[1])
             self.io.bind_ortvalue_output("context_features", values[2])
+            if self._all_rows:
+                self.io.bind_ortvalue_input("logits_rows", values[3])
             self._bound_width = tokens
         return ids, logits, features
 

@@ -14,7 +14,7 @@ No tracing: the graph is written node by node from a `TargetModel`'s parameters 
         mlp   = MatMul(Sigmoid(g) * g * up, Wdown), g = MatMul(h2, Wgate), up = MatMul(h2, Wup)
         h, x  = SkipSimplifiedLayerNormalization(r, mlp)                   next input norm (or the final
                                                                            norm), x = layer i's raw output
-    logits = MatMul(final-normed x, lm_head^T)
+    logits = MatMul(GatherND(final-normed x, logits_rows), lm_head^T)    only the positions asked for
     greedy_ids = ArgMax(logits, -1)                                       what greedy verification reads
     context_features = Concat(raw outputs of the chosen layers, -1 = embeddings)
 
@@ -236,6 +236,9 @@ def build_fused_target(model: TargetModel, dtype: str = "float32", *, opset: int
                               [r, down, b.weight(f"{name}.weight", norm.weight)], name.replace(".input", "/input"),
                               outputs=[f"{name}/out", "", "", f"layers.{i}/output"], domain=MS_DOMAIN, epsilon=eps)
             features[i] = x
+        if not tree:  # the positions logits are asked for: [B, T, H] -> [B, k, H]
+            (rows,) = b.op("Unsqueeze", ["logits_rows", b.const("axes/last", [-1])], "logits_rows/Unsqueeze")
+            (h,) = b.op("GatherND", [h, rows], "logits_rows/GatherND", batch_dims=1)
         b.op("MatMul", [h, b.weight("lm_head.weight", model.lm_head.weight.T)], "lm_head", outputs=["logits"])
         # greedy verification reads [batch, tokens] ids, not [batch, tokens, V] logits (first maximum, as
         # numpy and torch pick it)

@@ -303,10 +303,9 @@ class BatchEngine:
         for r in range(len(new)):
             self.target_kv.clear(first_row + r)
             self.drafter_kv.clear(first_row + r)
-        out = self.target.forward(batch, first_row)
+        out = self.target.forward(batch, first_row, last_only=True)
         self.target.commit(batch.counts, first_row)
-        rows = np.arange(len(new))
-        last = torch.from_numpy(np.ascontiguousarray(out.logits[rows, batch.counts - 1]))  # [P, V]
+        last = torch.from_numpy(np.ascontiguousarray(out.logits[:, 0]))  # [P, V]: each prompt's last position
         fresh = [not a.result.tokens for a in new]  # a resumed request draws nothing here
         anchors = sample_rows(last, [a.temperature if f else 0.0 for a, f in zip(new, fresh, strict=True)],
                               [a.generator if f else None for a, f in zip(new, fresh, strict=True)]).tolist()

@@ -36,9 +36,9 @@ KV_MODES = tuple(GRAPHS)
 
 @dataclass
 class TargetOutput:
-    logits: np.ndarray  # [R, W, V]
+    logits: np.ndarray  # [R, W, V]; [R, 1, V] (each row's last real position) from forward(last_only=True)
     context_features: np.ndarray  # [R, W, F]
-    greedy_ids: np.ndarray | None = None  # [R, W] argmax of logits, where the graph computes it
+    greedy_ids: np.ndarray | None = None  # argmax of logits, shaped as they are, where the graph computes it
 
 
 @dataclass
@@ -71,21 +71,27 @@ class TargetRunner:
         self._vocab, self._features = outputs["logits"].dims[2], outputs["context_features"].dims[2]
         dtype = kv.keys[0].dtype
         # flat buffers: the first R·W·V elements are a contiguous [R, W, V] for any R, W that fit
+        self._max_width = max_width
         self._logits = np.empty(slots * max_width * self._vocab, dtype)
         self._greedy = np.empty(slots * max_width, np.int64) if "greedy_ids" in outputs else None
         self._feature_buf = np.empty(slots * max_width * self._features, dtype)
-        self._bound: dict[tuple[int, int], _FusedCall] = {}  # (rows, width) of decode steps -> bound once
+        self._bound: dict[tuple[int, int, bool], _FusedCall] = {}  # decode steps' (rows, width, last_only)
+        # fused graphs from exports since `logits_rows`: logits only where asked (a prefill: its last positions)
+        self._logits_rows = any(t.name == "logits_rows" for t in backend.specs[self.graph].inputs)
         self._new: tuple[list[tuple[np.ndarray, np.ndarray]], int, int] | None = None  # plain graphs' present
 
-    def forward(self, batch: StepBatch, first_row: int = 0) -> TargetOutput:
+    def forward(self, batch: StepBatch, first_row: int = 0, last_only: bool = False) -> TargetOutput:
         """Run `batch` on slot rows first_row .. first_row + R - 1 (their committed lengths must be
-        batch.starts)."""
+        batch.starts). `last_only` (a prefill): logits for each row's last real token only, [R, 1, V]; a
+        fused graph with `logits_rows` then skips the LM head everywhere else."""
         rows, width = batch.rows, batch.width
         if int(batch.starts.max()) + width > self.kv.max_len:
             raise CapacityError(f"KV slot overflow: {int(batch.starts.max())} + {width} > "
                                 f"slot length {self.kv.max_len}")
         if self.kv_mode == "fused":
-            return self._fused(batch, first_row)
+            if last_only and not self._logits_rows:
+                return _last(self._fused(batch, first_row, False), batch)
+            return self._fused(batch, first_row, last_only)
         feeds = {"input_ids": batch.ids, "position_ids": batch.positions, "attention_mask": None}
         layers = self.kv.past(first_row, rows, None if self.kv_mode == "static" else int(batch.starts.max()))
         if self.kv_mode == "static":
@@ -104,35 +110,37 @@ class TargetRunner:
         out = self.backend.run(self.graph, feeds)
         names = C.kv_names(out_prefix, len(layers))
         self._new = ([(out[names[2 * i]], out[names[2 * i + 1]]) for i in range(len(layers))], offset, first_row)
-        return TargetOutput(np.asarray(out["logits"]), np.asarray(out["context_features"]))
+        result = TargetOutput(np.asarray(out["logits"]), np.asarray(out["context_features"]))
+        return _last(result, batch) if last_only else result
 
-    def _fused(self, batch: StepBatch, first_row: int) -> TargetOutput:
+    def _fused(self, batch: StepBatch, first_row: int, last_only: bool) -> TargetOutput:
         """Decode steps (rows 0..R-1, width W) reuse one binding per (R, W), made the first time;
-        prefills, whose widths are the prompts', bind afresh."""
-        key = (batch.rows, batch.width)
+        prefills, whose widths are the prompts', bind afresh (and are not kept: a long one has buffers of
+        its own)."""
+        key = (batch.rows, batch.width, last_only)
         call = self._bound.get(key) if first_row == 0 else None
         if call is None:
-            call = self._bind_fused(batch.rows, batch.width, first_row)
-            if first_row == 0:
+            call = self._bind_fused(batch.rows, batch.width, first_row, last_only)
+            if first_row == 0 and batch.width <= self._max_width:
                 self._bound[key] = call
+        if last_only:
+            call.feeds["logits_rows"][:, 0] = batch.counts - 1
         call.feeds["input_ids"][...] = batch.ids
         call.feeds["seqlens_k"][...] = batch.starts + batch.width - 1
         call.feeds["total_sequence_length"][...] = int(batch.starts.max()) + batch.width
         call.call.run()
         return call.output
 
-    def _bind_fused(self, rows: int, width: int, first_row: int) -> _FusedCall:
-        if rows * width * self._vocab <= self._logits.size:  # the first R·W·V elements: contiguous [R, W, V]
-            logits = self._logits[: rows * width * self._vocab].reshape(rows, width, self._vocab)
-            features = self._feature_buf[: rows * width * self._features].reshape(rows, width, self._features)
-            greedy = None if self._greedy is None else self._greedy[: rows * width].reshape(rows, width)
-        else:  # a long prefill
-            logits = np.empty((rows, width, self._vocab), self._logits.dtype)
-            features = np.empty((rows, width, self._features), self._feature_buf.dtype)
-            greedy = None if self._greedy is None else np.empty((rows, width), np.int64)
+    def _bind_fused(self, rows: int, width: int, first_row: int, last_only: bool) -> _FusedCall:
+        k = 1 if last_only else width  # logits per row
+        logits = _view(self._logits, (rows, k, self._vocab))  # the first elements: contiguous [R, k, V]
+        features = _view(self._feature_buf, (rows, width, self._features))
+        greedy = None if self._greedy is None else _view(self._greedy, (rows, k))
         kv = [buf[first_row : first_row + rows] for buf in self.kv.kv]  # contiguous slot rows
         feeds = {"input_ids": np.zeros((rows, width), np.int64), "seqlens_k": np.zeros(rows, np.int32),
                  "total_sequence_length": np.zeros((), np.int32)}
+        if self._logits_rows:  # every position (verification), or each row's last (set per call)
+            feeds["logits_rows"] = np.tile(np.arange(k, dtype=np.int64), (rows, 1))
         feeds.update(zip(C.kv_names("past_key_values", len(kv) // 2), kv, strict=True))
         outputs = {"logits": logits, "context_features": features}
         if greedy is not None:
@@ -149,3 +157,16 @@ class TargetRunner:
         present, offset, row = self._new
         self.kv.write(present, source_offset=offset, counts=counts, first_row=row)
         self._new = None
+
+
+def _view(flat: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """The first prod(shape) elements of a buffer made once, as `shape`; a fresh array when they do not fit."""
+    size = int(np.prod(shape))
+    return flat[:size].reshape(shape) if size <= flat.size else np.empty(shape, flat.dtype)
+
+
+def _last(out: TargetOutput, batch: StepBatch) -> TargetOutput:
+    """Logits [R, 1, V] at each row's last real token, from a graph that made them everywhere."""
+    rows = np.arange(batch.rows)
+    greedy = None if out.greedy_ids is None else out.greedy_ids[rows, batch.counts - 1][:, None]
+    return TargetOutput(out.logits[rows, batch.counts - 1][:, None], out.context_features, greedy)

@@ -51,8 +51,8 @@ def _quantize_options(quantize, quantize_drafter: bool, quant_block_size: int, q
               help="Most cached positions per request (capped at the model's max positions).")
 @click.option("--threads", default=1, show_default=True, type=click.IntRange(min=0),
               help="ONNX Runtime intra-op threads (0 = all cores).")
-@click.option("--spinning/--no-spinning", default=False, show_default=True,
-              help="With --threads != 1: ORT's worker threads busy-wait between graph calls.")
+@click.option("--spinning/--no-spinning", default=False,
+              help="With --threads != 1: ORT's worker threads busy-wait between graph calls (default: they sleep).")
 @click.option("--profile-past", default=64, show_default=True, type=click.IntRange(min=0),
               help="Cached positions per request while profiling SPS.")
 @click.option("--repeats", default=5, show_default=True, type=click.IntRange(min=1),
