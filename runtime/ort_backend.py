@@ -60,7 +60,7 @@ class OrtBackend(Backend):
         self.options = ort.SessionOptions()
         self.options.intra_op_num_threads = intra_op_threads
         # Spinning workers hold a core between graph calls, which the engine's own Python and a server's
-        # threads need on a small CPU (measured on 2 cores: docs/recovery.md, "Threads").
+        # threads need on a small CPU; on 2 cores sleeping ones cost nothing measurable (docs/recovery.md).
         self.options.add_session_config_entry("session.intra_op.allow_spinning", "1" if intra_op_spinning else "0")
         self.options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         self._sessions: dict[str, ort.InferenceSession] = {}
