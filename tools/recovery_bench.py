@@ -11,8 +11,8 @@ recovery  R requests with ~`context`-token contexts run, journaled, until each h
           alone: ms to read the journal, to resubmit, and for the first step (the re-prefill of
           prompt + committed tokens, then one decode step): the next token. Tokens re-prefilled are
           counted. The tokens of the resumed engine's first step are checked against the uninterrupted
-          engine's next step (common prefix; greedy rows, and sampled rows: these agree only where the
-          drafting decisions do not depend on engine history, see docs/recovery.md).
+          engine's next step (common prefix; greedy rows, and seeded sampled rows: these agree when the
+          resumed engine restored the drafting gate's state, as the server does, see docs/recovery.md).
 Process start and engine load (what a restarted server pays before this) are timed once, apart.
 """
 
@@ -70,6 +70,7 @@ def snapshot_cost(runtime, requests: int, steps: int, temperature: float, fsync:
 
 
 def recovery_time(runtime, requests: int, context: int, generated: int) -> dict:
+    from dspark.runtime.recovery.engine_state import restore_engine_state
     from dspark.runtime.recovery.journal import JournalStore
     from dspark.runtime.recovery.recorder import StepRecorder
     from dspark.runtime.recovery.snapshot import RequestSpec
@@ -85,15 +86,22 @@ def recovery_time(runtime, requests: int, context: int, generated: int) -> dict:
         store.submitted(RequestSpec(f"r{i}", prompt, max_new, temperature, i))
         ids[f"r{i}"] = engine.submit(prompt, max_new_tokens=max_new, temperature=temperature, seed=i)
         recorder.track(ids[f"r{i}"], f"r{i}")
-    while min(len(engine.tokens_so_far(r)) for r in ids.values()) < generated:
+    done: dict = {}  # requests that finished before the kill (with a short max or a fast acceptance) are not resumed
+    while not engine.idle and min(len(done[r].tokens) if r in done else len(engine.tokens_so_far(r))
+                                  for r in ids.values()) < generated:
         engine.step()
-        recorder.record(engine, engine.take_finished())
+        finished = engine.take_finished()
+        done.update(finished)
+        recorder.record(engine, finished)
     store.close()  # the process "dies" here: the journal is all that is left of its requests
     t0 = time.perf_counter()
     store = JournalStore(folder)
     recovered = store.recover()
     t1 = time.perf_counter()
     resumed = runtime.engine()
+    problem = restore_engine_state(resumed, recovered.engine_state)  # as EngineService does before resuming
+    if problem:
+        raise click.ClickException(problem)
     new_ids = {}
     for snap in recovered.running:
         s = snap.spec
@@ -106,7 +114,7 @@ def recovery_time(runtime, requests: int, context: int, generated: int) -> dict:
     shutil.rmtree(folder, ignore_errors=True)
     engine.step()  # the uninterrupted engine's next step: the common prefix of the two must agree
     same = {parity: all(_agree(engine.tokens_so_far(ids[k]), resumed.tokens_so_far(new_ids[k]))
-                        for k in ids if int(k[1:]) % 2 == parity) for parity in (0, 1)}
+                        for k in new_ids if int(k[1:]) % 2 == parity) for parity in (0, 1)}
     prefilled = sum(len(s.spec.prompt_ids) + len(s.tokens) - 1 for s in recovered.running)
     return {"requests": requests, "resumed": len(recovered.running), "context": context,
             "read_ms": (t1 - t0) * 1e3, "resubmit_ms": (t2 - t1) * 1e3, "first_step_ms": (t3 - t2) * 1e3,
