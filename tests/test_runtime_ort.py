@@ -5,6 +5,7 @@ sampling stream for stream against the PyTorch models, through every target grap
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from conftest import golden_path, load_json
@@ -19,6 +20,7 @@ from dspark.runtime.model_info import ModelInfo
 from dspark.runtime.ort_backend import OrtBackend
 from dspark.runtime.prefix_scheduler import SchedulerConfig
 from dspark.runtime.reference_decoder import autoregressive_generate
+from dspark.runtime.step_batch import StepBatch
 
 SET = "qwen3-tiny-vanilla"
 
@@ -106,3 +108,20 @@ def test_feeds_checked_against_export_metadata(exported):
         exported.run("target", {"input_ids": torch.zeros(1, 1, dtype=torch.int64)})
     with pytest.raises(BackendError, match="no graph"):
         exported.run("nope", {})
+
+
+@pytest.mark.parametrize("kv_mode", KV_MODES)
+def test_a_prefill_makes_logits_at_each_prompts_last_position_only(exported, kv_mode):
+    """forward(last_only=True): [R, 1, V] logits equal to the full forward's at each row's last real token; the
+    fused graph computes only those (logits_rows), and a prefill's binding is not kept."""
+    e = engine(exported, kv_mode)
+    batch = StepBatch.prompts([list(range(3, 43)), [7, 8, 9, 10, 11, 12, 13]])
+    full = e.target.forward(batch)
+    rows = np.arange(batch.rows)
+    expected = np.array(full.logits[rows, batch.counts - 1])
+    last = e.target.forward(batch, last_only=True)  # nothing was committed: the same rows again
+    assert last.logits.shape == (2, 1, e.info.vocab_size)
+    np.testing.assert_allclose(last.logits[:, 0], expected, atol=1e-5)
+    if kv_mode == "fused":
+        assert e.target._logits_rows and (2, batch.width, True) not in e.target._bound
+        np.testing.assert_array_equal(last.greedy_ids[:, 0], expected.argmax(-1))
