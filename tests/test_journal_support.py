@@ -15,11 +15,16 @@ from pathlib import Path
 import httpx
 
 TESTS = Path(__file__).resolve().parent
-STEP_DELAY = 0.1  # seconds added to each engine step in the server: a stream is still running when killed
+STEP_DELAY = 0.1  # seconds added to each engine step in the server: a slower model
+HOLD = "DSPARK_TEST_HOLD"  # "R:T": the server stops stepping once R requests run with >= T tokens each
 
 
-def start_server(root: Path, journal: Path, port: int, log: Path) -> subprocess.Popen:
+def start_server(root: Path, journal: Path, port: int, log: Path, hold: str | None = None) -> subprocess.Popen:
+    """`hold` ("R:T"): the engine stops before its next step once R requests run with T tokens or more each, so
+    a test that kills it then knows every stream is mid-way, however slowly the test itself reads."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
+    if hold is not None:
+        env[HOLD] = hold
     with open(log, "ab") as out:
         return subprocess.Popen([sys.executable, str(Path(__file__)), str(root), str(journal), str(port)],
                                 stdout=out, stderr=out, env=env)
@@ -71,8 +76,13 @@ def main(root: str, journal: str, port: str) -> None:
     from dspark.tools.serve_engine import serve_runtime
 
     step = BatchEngine.step
+    hold = [int(v) for v in os.environ[HOLD].split(":")] if HOLD in os.environ else None
 
-    def slow_step(self):  # a slower model: the test kills the server mid-stream
+    def slow_step(self):  # a slower model, held mid-stream when asked: the test kills the server then
+        running = [len(a.result.tokens) for a in self.active]
+        if hold is not None and len(running) >= hold[0] and min(running) >= hold[1]:
+            while True:  # the last step's tokens went out; nothing more until the SIGKILL
+                time.sleep(1)
         record = step(self)
         time.sleep(STEP_DELAY)
         return record

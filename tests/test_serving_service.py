@@ -4,8 +4,10 @@ the slot, the queue limit holds, a failing step ends only the requests in it, li
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
+from dataclasses import asdict
 
 import pytest
 from test_serving_support import COST, tiny_pair, tiny_runtime
@@ -201,3 +203,18 @@ def test_close_ends_pending_requests_and_refuses_new_ones(tmp_path):
         with pytest.raises(ServiceClosed):
             service.submit(PROMPTS[2], max_new_tokens=2)
         assert not service.alive
+
+
+def test_the_load_snapshot_is_plain_json_while_requests_run(fixed_runtime):
+    """/health serves asdict(snapshot()) as JSON: every field a plain number, also with KV in use."""
+    with EngineService(fixed_runtime) as service:
+        service.add_step_listener(lambda record, snapshot: time.sleep(0.02))  # a slow loop: still running below
+        handle = service.submit([5, 6, 7], max_new_tokens=60)
+        deadline = time.monotonic() + 30
+        while service.snapshot().running == 0 and not handle.done and time.monotonic() < deadline:
+            time.sleep(0.005)
+        snapshot = asdict(service.snapshot())
+        assert snapshot["running"] == 1 and snapshot["kv_tokens_used"] > 0
+        json.dumps(snapshot)  # numpy integers would raise here
+        assert all(type(v) in (int, float) for v in snapshot.values())
+        handle.cancel()

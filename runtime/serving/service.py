@@ -364,7 +364,7 @@ class EngineService:
         return LoadSnapshot(
             time=time.monotonic(), queued=len(self._inbox) + len(engine.queue), running=rows,
             slots_total=capacity.max_requests, kv_tokens_reserved=sum(engine.admission.reserved.values()),
-            kv_tokens_used=sum(engine.target_kv.lengths[:rows]), kv_tokens_capacity=capacity.max_tokens,
+            kv_tokens_used=int(engine.target_kv.lengths[:rows].sum()), kv_tokens_capacity=capacity.max_tokens,
             steps=c["steps"], submitted=c["submitted"], finished=c["finished"], cancelled=c["cancelled"],
             failed=c["failed"], max_queue=self.max_queue,
         )
