@@ -76,8 +76,9 @@ class TargetRunner:
         self._greedy = np.empty(slots * max_width, np.int64) if "greedy_ids" in outputs else None
         self._feature_buf = np.empty(slots * max_width * self._features, dtype)
         self._bound: dict[tuple[int, int, bool], _FusedCall] = {}  # decode steps' (rows, width, last_only)
-        # fused graphs from exports since `logits_rows`: logits only where asked (a prefill: its last positions)
-        self._logits_rows = any(t.name == "logits_rows" for t in backend.specs[self.graph].inputs)
+        # True for fused graphs from exports since `logits_rows`: logits only where asked (a prefill: its last
+        # positions); False: the graph makes them everywhere and forward(last_only=True) picks them out
+        self.selects_logits: bool = any(t.name == "logits_rows" for t in backend.specs[self.graph].inputs)
         self._new: tuple[list[tuple[np.ndarray, np.ndarray]], int, int] | None = None  # plain graphs' present
 
     def forward(self, batch: StepBatch, first_row: int = 0, last_only: bool = False) -> TargetOutput:
@@ -89,7 +90,7 @@ class TargetRunner:
             raise CapacityError(f"KV slot overflow: {int(batch.starts.max())} + {width} > "
                                 f"slot length {self.kv.max_len}")
         if self.kv_mode == "fused":
-            if last_only and not self._logits_rows:
+            if last_only and not self.selects_logits:
                 return _last(self._fused(batch, first_row, False), batch)
             return self._fused(batch, first_row, last_only)
         feeds = {"input_ids": batch.ids, "position_ids": batch.positions, "attention_mask": None}
@@ -139,7 +140,7 @@ class TargetRunner:
         kv = [buf[first_row : first_row + rows] for buf in self.kv.kv]  # contiguous slot rows
         feeds = {"input_ids": np.zeros((rows, width), np.int64), "seqlens_k": np.zeros(rows, np.int32),
                  "total_sequence_length": np.zeros((), np.int32)}
-        if self._logits_rows:  # every position (verification), or each row's last (set per call)
+        if self.selects_logits:  # every position (verification), or each row's last (set per call)
             feeds["logits_rows"] = np.tile(np.arange(k, dtype=np.int64), (rows, 1))
         feeds.update(zip(C.kv_names("past_key_values", len(kv) // 2), kv, strict=True))
         outputs = {"logits": logits, "context_features": features}

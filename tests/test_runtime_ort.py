@@ -123,5 +123,5 @@ def test_a_prefill_makes_logits_at_each_prompts_last_position_only(exported, kv_
     assert last.logits.shape == (2, 1, e.info.vocab_size)
     np.testing.assert_allclose(last.logits[:, 0], expected, atol=1e-5)
     if kv_mode == "fused":
-        assert e.target._logits_rows and (2, batch.width, True) not in e.target._bound
+        assert e.target.selects_logits and (2, batch.width, True) not in e.target._bound
         np.testing.assert_array_equal(last.greedy_ids[:, 0], expected.argmax(-1))

@@ -35,7 +35,7 @@ def measure(export: Path, tokens: int, repeats: int, last_only: bool) -> dict:
                              live_cost=False)
     with Runtime.load(export, options) as runtime:
         engine = runtime.engine()
-        if engine.kv_mode != "fused" or not engine.target._logits_rows:
+        if not engine.target.selects_logits:
             raise click.ClickException(f"{export} has no fused target with logits_rows: re-export it")
         vocab = runtime.info.vocab_size
         batch = StepBatch.prompts([np.random.default_rng(0).integers(1, vocab, tokens).tolist()])
