@@ -1,7 +1,9 @@
 """Array-facing API of the custom operators: numpy or torch in, the same kind out.
 
-The numpy references under plugins/<op>/reference.py define the semantics; these wrappers only
-convert torch tensors (any device) to numpy and the results back, so the runtime can call them.
+The numpy references under plugins/<op>/reference.py define the semantics; these wrappers convert
+torch tensors (any device) to numpy and the results back, so the runtime can call them. Inputs on a
+GPU run the CUDA kernels there instead (`plugins.cuda`, where plugins/build.sh has built them:
+TreeAttentionMask and greedy TreeAccept), with nothing copied to the host.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from . import cuda as _cuda
 from .tree_accept import draft_probs as _draft
 from .tree_accept import reference as _accept
 from .tree_attention_mask import reference as _mask
@@ -45,12 +48,19 @@ def _like(value: np.ndarray, reference: Any) -> Array:
 
 def tree_attention_mask(parents: Array, past_lengths: Array) -> TreeMask:
     """parents [batch, N] (root -1, padding -2), past_lengths [batch] -> TreeMask."""
+    if _cuda.on_device_available(parents):
+        return TreeMask(*_cuda.on_device_tree_attention_mask(parents, torch.as_tensor(past_lengths)))
     mask, position_ids, packed = _mask.tree_attention_mask(_numpy(parents), _numpy(past_lengths))
     return TreeMask(*(_like(v, parents) for v in (mask, position_ids, packed)))
 
 
 def compose_full_mask(tree_mask: Array, past_lengths: Array, past_capacity: int) -> Array:
     """[batch, 1, N, N] tree mask -> [batch, 1, N, past_capacity + N] with the cache columns in front."""
+    if isinstance(tree_mask, torch.Tensor):  # composed where the mask is (a GPU's tree mask stays there)
+        batch, _, n, _ = tree_mask.shape
+        past = torch.as_tensor(past_lengths).to(tree_mask.device)
+        cached = torch.arange(past_capacity, device=tree_mask.device)[None, :] < past[:, None]
+        return torch.cat((cached[:, None, None, :].expand(batch, 1, n, past_capacity), tree_mask), dim=-1)
     full = _mask.compose_full_mask(_numpy(tree_mask), _numpy(past_lengths), past_capacity)
     return _like(full, tree_mask)
 
@@ -63,6 +73,9 @@ def tree_accept_greedy(
     *, parents: Array, draft_tokens: Array, past_lengths: Array, target_tokens: Array, max_depth: int
 ) -> _accept.TreeAcceptResult:
     """Greedy tree verification; shapes as in plugins/tree_accept/reference.py."""
+    if _cuda.on_device_available(target_tokens):
+        return _cuda.on_device_tree_accept_greedy(*(torch.as_tensor(a) for a in (parents, draft_tokens, past_lengths,
+                                                                                  target_tokens)), max_depth)
     result = _accept.tree_accept_greedy(
         _numpy(parents), _numpy(draft_tokens), _numpy(past_lengths), _numpy(target_tokens), max_depth
     )

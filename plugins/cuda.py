@@ -1,8 +1,10 @@
 """ctypes bindings of the compiled CUDA launchers (libdspark_plugins_cuda.so, built by build.sh).
 
 `run_*` take and return host numpy arrays: they copy the inputs to the GPU, launch, synchronise and
-copy the outputs back. They exist to check the kernels against the numpy references and to debug;
-the runtime's fast path is the TensorRT plugin, which calls the same launchers on device buffers.
+copy the outputs back. They exist to check the kernels against the numpy references and to debug.
+`on_device_*` launch the same kernels on CUDA tensors, on torch's current stream, with nothing
+copied: what `dspark.plugins`' API calls when its inputs live on a GPU (the batched engine's tree
+verification there), as the TensorRT plugin calls them on its device buffers.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from functools import cache
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from .tree_accept.reference import TreeAcceptResult
 
@@ -212,3 +215,48 @@ def run_tree_accept_sampling(
         _check(status, "dspark_tree_accept_sampling")
         _check(cudart().cudaDeviceSynchronize(), "dspark_tree_accept_sampling kernel")
         return _accept_result(dev, outs, batch, max_depth)
+
+
+def on_device_available(tensor: object) -> bool:
+    """True when `tensor` is a CUDA tensor and the compiled launchers are there to run on it."""
+    return isinstance(tensor, torch.Tensor) and tensor.is_cuda and library_path().is_file()
+
+
+def _ptr(tensor: torch.Tensor) -> ctypes.c_void_p:
+    return ctypes.c_void_p(tensor.data_ptr())
+
+
+def _stream(device: torch.device) -> ctypes.c_void_p:
+    return ctypes.c_void_p(torch.cuda.current_stream(device).cuda_stream)
+
+
+def on_device_tree_attention_mask(parents: torch.Tensor,
+                                  past_lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """TreeAttentionMask on CUDA tensors -> (mask [batch,1,N,N] bool, position_ids, packed_mask), same device."""
+    batch, n = parents.shape
+    device = parents.device
+    parents, past = (t.to(device=device, dtype=torch.int64).contiguous() for t in (parents, past_lengths))
+    mask = torch.empty((batch, 1, n, n), dtype=torch.uint8, device=device)
+    positions = torch.empty((batch, n), dtype=torch.int64, device=device)
+    packed = torch.empty((batch, n, -(-n // 32)), dtype=torch.int32, device=device)
+    status = plugin_library().dspark_tree_attention_mask(_ptr(parents), _ptr(past), batch, n, _ptr(mask),
+                                                         _ptr(positions), _ptr(packed), _stream(device))
+    _check(status, "dspark_tree_attention_mask")
+    return mask.view(torch.bool), positions, packed
+
+
+def on_device_tree_accept_greedy(parents: torch.Tensor, draft_tokens: torch.Tensor, past_lengths: torch.Tensor,
+                                 target_tokens: torch.Tensor, max_depth: int) -> TreeAcceptResult:
+    """Greedy TreeAccept on `target_tokens`' GPU (the other inputs are moved there); the result's arrays are
+    tensors on that device."""
+    batch, n = parents.shape
+    device = target_tokens.device
+    ins = [t.to(device=device, dtype=torch.int64).contiguous()
+           for t in (parents, draft_tokens, past_lengths, target_tokens)]
+    width = max_depth + 1
+    outs = [torch.empty(shape, dtype=torch.int64, device=device)
+            for shape in ((batch, width), (batch,), (batch,), (batch, width))]
+    status = plugin_library().dspark_tree_accept_greedy(*map(_ptr, ins), batch, n, max_depth, *map(_ptr, outs),
+                                                        _stream(device))
+    _check(status, "dspark_tree_accept_greedy")
+    return TreeAcceptResult(*outs)

@@ -132,6 +132,13 @@ class Backend(ABC):
     @abstractmethod
     def specs(self) -> dict[str, GraphSpec]: ...
 
+    @property
+    def kv_device(self) -> torch.device | None:
+        """Where the engine keeps the target's keys/values: None = host numpy buffers; a device =
+        tensors there, which this backend takes as feeds and returns its target graphs' new
+        keys/values on (so they never cross the bus)."""
+        return None
+
     @abstractmethod
     def _run(self, graph: str, feeds: Mapping[str, Array]) -> dict[str, Array]: ...
 
@@ -193,6 +200,11 @@ def as_torch(value: Array) -> torch.Tensor:
     return value if isinstance(value, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(value))
 
 
+def as_numpy(value: Array) -> np.ndarray:
+    """A host array: a tensor (on any device) is brought back, a numpy array is returned as it is."""
+    return value.cpu().numpy() if isinstance(value, torch.Tensor) else np.asarray(value)
+
+
 class WrappedBackend(Backend):
     """A backend in front of another (`inner`): same graphs, every call passed through. Subclasses
     add what they are for (recording, a virtual clock, events) around `_run`. Opening
@@ -205,6 +217,10 @@ class WrappedBackend(Backend):
     @property
     def specs(self) -> dict[str, GraphSpec]:
         return self.inner.specs
+
+    @property
+    def kv_device(self) -> torch.device | None:
+        return self.inner.kv_device
 
     def _open(self) -> None:
         self.inner.open()

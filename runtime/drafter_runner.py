@@ -67,7 +67,7 @@ class DrafterRunner:
         self.backend, self.info, self.kv = backend, info, kv
         # the block outputs of both graphs land in flat buffers sized once (max requests × γ); the
         # head reads the backbone's straight from them, nothing is copied out of ONNX Runtime
-        rows, dtype = kv.lengths.shape[0], kv.keys[0].dtype
+        rows, dtype = kv.lengths.shape[0], kv.dtype
         self._buffers = {t.name: np.empty(rows * int(np.prod(t.dims[1:])), dtype if t.dtype != "int64" else np.int64)
                          for graph in (C.BACKBONE, C.HEAD_GREEDY) if graph in backend.specs
                          for t in backend.specs[graph].outputs if t.dims[0] == "batch" and "present" not in t.name}
@@ -97,7 +97,7 @@ class DrafterRunner:
     def _backbone(self, anchors: np.ndarray, starts: np.ndarray, pending: Sequence[Sequence[np.ndarray]],
                   counts: np.ndarray, slots: np.ndarray, first: int) -> None:
         """One backbone call over slot rows `slots`; its block outputs land in rows first.. of the buffers."""
-        rows, gamma, dtype = len(anchors), self.info.block_size, self.kv.keys[0].dtype
+        rows, gamma, dtype = len(anchors), self.info.block_size, self.kv.dtype
         contiguous = bool(slots[-1] - slots[0] == rows - 1 and (np.diff(slots) == 1).all())
         cached = self.kv.lengths[slots]
         past, ctx = int(cached.max()), int(counts.max())

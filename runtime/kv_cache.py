@@ -4,7 +4,9 @@ Each cache is one buffer per layer and kind, `[slots, kv_heads, max_len, head_di
 once. Active requests occupy rows 0..R-1 (when one leaves, the last row moves into its place),
 so the batch's past is the contiguous prefix `buffer[:R]`, a view, never a gather. A slot's
 length is its committed prefix; rolling back rejected tokens is just not advancing it (the
-rejected rows are overwritten next step). Admission control reserves each request's worst-case
+rejected rows are overwritten next step). The buffers are numpy arrays on the host, or torch tensors
+on a device (`device=`, what a GPU backend asks for: keys and values then never cross the bus; the
+lengths stay host integers, which the scheduler reads every step). Admission control reserves each request's worst-case
 length against `max_tokens`; a request that does not fit waits in the queue.
 """
 
@@ -37,18 +39,37 @@ class CacheShape:
 
 
 class SlotCache:
-    """Per-layer key/value buffers [slots, kvh, max_len, hd] (numpy, allocated once) plus each
-    row's committed length. `kv` lists them in the export contract's order (key 0, value 0, ...)."""
+    """Per-layer key/value buffers [slots, kvh, max_len, hd] (allocated once: numpy, or torch tensors
+    on `device`) plus each row's committed length. `kv` lists them in the export contract's order
+    (key 0, value 0, ...)."""
 
-    def __init__(self, shape: CacheShape, slots: int, max_len: int, dtype: np.dtype | str = np.float32):
+    def __init__(self, shape: CacheShape, slots: int, max_len: int, dtype: np.dtype | str = np.float32,
+                 device: torch.device | str | None = None):
         full = [(slots, shape.layer(i)[0], max_len, shape.layer(i)[1]) for i in range(shape.layers)]
-        self.keys = [np.zeros(dims, dtype=dtype) for dims in full]
-        self.values = [np.zeros(dims, dtype=dtype) for dims in full]
+        self.dtype = np.dtype(dtype)
+        self.device = None if device is None else torch.device(device)
+        if self.device is None:
+            self.keys: list[Array] = [np.zeros(dims, dtype=self.dtype) for dims in full]
+            self.values: list[Array] = [np.zeros(dims, dtype=self.dtype) for dims in full]
+        else:
+            as_dtype = torch.from_numpy(np.zeros(0, self.dtype)).dtype
+            self.keys = [torch.zeros(dims, dtype=as_dtype, device=self.device) for dims in full]
+            self.values = [torch.zeros(dims, dtype=as_dtype, device=self.device) for dims in full]
         self.kv = [buf for pair in zip(self.keys, self.values, strict=True) for buf in pair]
         self.lengths = np.zeros(slots, dtype=np.int64)
         self.max_len = max_len
 
-    def past(self, first: int, rows: int, upto: int | None = None) -> list[tuple[np.ndarray, np.ndarray]]:
+    def index(self, positions: np.ndarray) -> Array:
+        """Integer positions as an index into the buffers (a device tensor where they live on one)."""
+        return positions if self.device is None else torch.from_numpy(positions).to(self.device)
+
+    def local(self, value: Array) -> Array:
+        """`value` (a graph's output) where the buffers live: a host array, or a tensor on their device."""
+        if self.device is None:
+            return np.asarray(value)
+        return (value if isinstance(value, torch.Tensor) else torch.from_numpy(np.asarray(value))).to(self.device)
+
+    def past(self, first: int, rows: int, upto: int | None = None) -> list[tuple[Array, Array]]:
         """Views [rows, kvh, upto, hd] per layer of slot rows first..first+rows-1, padded to `upto`
         (None: the whole slot, a contiguous view — what static-cache and fused graphs bind)."""
         end = first + rows
@@ -76,10 +97,10 @@ class SlotCache:
         dst = self.lengths[slots] + within
         if dst.max() >= self.max_len:
             raise CapacityError(f"KV slot overflow: position {int(dst.max())} >= slot length {self.max_len}")
-        src = source_offset + within
+        src, rows, slots, dst = (self.index(a) for a in (source_offset + within, rows, slots, dst))
         for (k, v), buf_k, buf_v in zip(present, self.keys, self.values, strict=True):
-            buf_k[slots, :, dst] = np.asarray(k)[rows, :, src]
-            buf_v[slots, :, dst] = np.asarray(v)[rows, :, src]
+            buf_k[slots, :, dst] = self.local(k)[rows, :, src]
+            buf_v[slots, :, dst] = self.local(v)[rows, :, src]
         self.advance(counts, first_row)
 
     def advance(self, counts: Sequence[int] | np.ndarray, first_row: int = 0) -> None:

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import torch
 
 from .request_state import RunningRequest
 
@@ -158,10 +159,11 @@ class HostTier:
 def _copy_out(cache: Any, row: int) -> list[np.ndarray]:
     """Row `row`'s committed prefix of every buffer, copied [kvh, length, hd]."""
     n = int(cache.lengths[row])
-    return [buf[row, :, :n].copy() for buf in cache.kv]
+    return [buf[row, :, :n].to("cpu", copy=True).numpy() if isinstance(buf, torch.Tensor) else buf[row, :, :n].copy()
+            for buf in cache.kv]
 
 
 def _copy_in(cache: Any, row: int, prefixes: list[np.ndarray]) -> None:
     for buf, prefix in zip(cache.kv, prefixes, strict=True):
-        buf[row, :, : prefix.shape[1]] = prefix
+        buf[row, :, : prefix.shape[1]] = torch.from_numpy(prefix) if isinstance(buf, torch.Tensor) else prefix
     cache.lengths[row] = prefixes[0].shape[1] if prefixes else 0

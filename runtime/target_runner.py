@@ -22,10 +22,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from dspark.export import contract as C
 
-from .backend import Backend, BoundCall
+from .backend import Backend, BoundCall, as_numpy
 from .kv_cache import CapacityError, SlotCache
 from .model_info import ModelInfo
 from .step_batch import StepBatch
@@ -50,10 +51,14 @@ class _FusedCall:
 
 def kv_mode_for(backend: Backend, requested: str | None) -> str:
     """`requested`, checked against the graphs the backend has; None = `fused` where the backend has
-    it, else `concat` (`static` attends over the whole capacity: it only pays at long pasts and large
-    batches, so it is never picked unasked)."""
+    it, else `static` where the backend keeps the cache on a device (the slot rows are bound in
+    place, and its feed shapes are fixed per (requests, tokens), what CUDA-graph replay needs), else
+    `concat` (`static` attends over the whole capacity: on the host it only pays at long pasts and
+    large batches)."""
     if requested is None:
-        return "fused" if GRAPHS["fused"] in backend.specs else "concat"
+        if GRAPHS["fused"] in backend.specs:
+            return "fused"
+        return "static" if backend.kv_device is not None and GRAPHS["static"] in backend.specs else "concat"
     if requested not in KV_MODES:
         raise ValueError(f"kv_mode '{requested}' is unknown; choose one of {KV_MODES}")
     if GRAPHS[requested] not in backend.specs:
@@ -69,7 +74,7 @@ class TargetRunner:
         slots = kv.lengths.shape[0]
         outputs = {t.name: t for t in backend.specs[self.graph].outputs}
         self._vocab, self._features = outputs["logits"].dims[2], outputs["context_features"].dims[2]
-        dtype = kv.keys[0].dtype
+        dtype = kv.dtype
         # flat buffers: the first R·W·V elements are a contiguous [R, W, V] for any R, W that fit
         self._max_width = max_width
         self._logits = np.empty(slots * max_width * self._vocab, dtype)
@@ -111,8 +116,13 @@ class TargetRunner:
         out = self.backend.run(self.graph, feeds)
         names = C.kv_names(out_prefix, len(layers))
         self._new = ([(out[names[2 * i]], out[names[2 * i + 1]]) for i in range(len(layers))], offset, first_row)
-        result = TargetOutput(np.asarray(out["logits"]), np.asarray(out["context_features"]))
-        return _last(result, batch) if last_only else result
+        logits = out["logits"]
+        if last_only:  # picked where the logits are (a device's: only these rows cross the bus)
+            rows_at, last_at = np.arange(rows), batch.counts - 1
+            if isinstance(logits, torch.Tensor):
+                rows_at, last_at = (torch.from_numpy(a).to(logits.device) for a in (rows_at, last_at))
+            logits = logits[rows_at, last_at][:, None]
+        return TargetOutput(as_numpy(logits), as_numpy(out["context_features"]))
 
     def _fused(self, batch: StepBatch, first_row: int, last_only: bool) -> TargetOutput:
         """Decode steps (rows 0..R-1, width W) reuse one binding per (R, W), made the first time;

@@ -6,9 +6,11 @@ one target call, keep each request's accepted path.
             over all requests' nodes (`dspark` mode, the engine's cost model) or `tree_nodes` best
             per request (`fixed` mode)
   verify    the trees packed [R, T] (T = 1 + the most nodes), positions and masks from the
-            TreeAttentionMask operator (`dspark.plugins`: the numpy reference here), one call of the
-            plain or static-cache target graph (the graphs with a mask input) over the slot cache
-  accept    TreeAccept: greedy rows in one call, sampling rows each on its own random stream
+            TreeAttentionMask operator (`dspark.plugins`: the numpy reference on the host, the CUDA
+            kernel where the cache is on a GPU), one call of the plain or static-cache target graph
+            (the graphs with a mask input) over the slot cache
+  accept    TreeAccept: greedy rows in one call (on a GPU: argmax and the kernel there), sampling
+            rows each on its own random stream
             (best-first trees are a deterministic function of the drafter: the "deterministic"
             process keeps sampling exact)
   commit    each row's accepted path's keys/values, gathered into path order, written at the row's
@@ -22,6 +24,7 @@ graph, over the same slot buffers (prefill stays fused).
 from __future__ import annotations
 
 import time
+from dataclasses import fields
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -29,8 +32,9 @@ import torch
 
 from dspark import plugins
 from dspark.export import contract as C
+from dspark.plugins import TreeAcceptResult
 
-from .backend import Backend
+from .backend import Array, Backend, as_numpy
 from .kv_cache import SlotCache
 from .model_info import ModelInfo
 from .sampling import probabilities
@@ -68,11 +72,12 @@ class TreeVerifier:
         self.graph = tree_graph(backend, kv_mode)
 
     def forward(self, parents: np.ndarray, tokens: np.ndarray,
-                starts: np.ndarray) -> tuple[np.ndarray, np.ndarray, list[tuple[np.ndarray, np.ndarray]], int]:
+                starts: np.ndarray) -> tuple[Array, np.ndarray, list[tuple[Array, Array]], int]:
         """parents, tokens [R, T] (padding parent -2), starts [R] -> logits [R, T, V], context features
-        [R, T, F], the new keys/values per layer and the column where they start."""
+        [R, T, F], the new keys/values per layer and the column where they start. With the cache on a
+        device, the mask is made there (the CUDA kernel on a GPU) and the logits stay there."""
         rows = parents.shape[0]
-        mask = plugins.tree_attention_mask(parents, starts)
+        mask = plugins.tree_attention_mask(self.kv.index(parents), starts)
         static = self.graph == C.TARGET_STATIC
         cache_cols = self.kv.max_len if static else int(starts.max())
         layers = self.kv.past(0, rows, None if static else cache_cols)
@@ -82,15 +87,16 @@ class TreeVerifier:
         feeds.update(zip(C.kv_names(prefix, len(layers)), (t for kv in layers for t in kv), strict=True))
         out = self.backend.run(self.graph, feeds)
         names = C.kv_names(out_prefix, len(layers))
-        new = [(np.asarray(out[names[2 * i]]), np.asarray(out[names[2 * i + 1]])) for i in range(len(layers))]
-        return np.asarray(out["logits"]), np.asarray(out["context_features"]), new, 0 if static else cache_cols
+        new = [(self.kv.local(out[names[2 * i]]), self.kv.local(out[names[2 * i + 1]])) for i in range(len(layers))]
+        logits = as_numpy(out["logits"]) if self.kv.device is None else self.kv.local(out["logits"])
+        return logits, as_numpy(out["context_features"]), new, 0 if static else cache_cols
 
-    def commit(self, new: list[tuple[np.ndarray, np.ndarray]], offset: int, paths: list[list[int]]) -> None:
+    def commit(self, new: list[tuple[Array, Array]], offset: int, paths: list[list[int]]) -> None:
         """Row r keeps its path's entries (tree columns offset + node), in path order, from its length on."""
         longest = max(len(p) for p in paths)
         cols = np.array([[offset + n for n in p] + [offset] * (longest - len(p)) for p in paths], dtype=np.int64)
-        rows = np.arange(len(paths))[:, None]
-        gathered = [(k[rows, :, cols].transpose(0, 2, 1, 3), v[rows, :, cols].transpose(0, 2, 1, 3))
+        rows, cols = self.kv.index(np.arange(len(paths))[:, None]), self.kv.index(cols)
+        gathered = [(k[rows, :, cols].swapaxes(1, 2), v[rows, :, cols].swapaxes(1, 2))
                     for k, v in new]  # [R, kvh, longest, hd]
         self.kv.write(gathered, source_offset=0, counts=[len(p) for p in paths])
 
@@ -106,7 +112,7 @@ def pack(trees: list[DraftTree]) -> tuple[np.ndarray, np.ndarray]:
     return parents, tokens
 
 
-def accept(trees: list[DraftTree], parents: np.ndarray, tokens: np.ndarray, logits: np.ndarray,
+def accept(trees: list[DraftTree], parents: np.ndarray, tokens: np.ndarray, logits: Array,
            temperatures: list[float], generators: list[torch.Generator | None],
            max_depth: int) -> tuple[list[list[int]], list[int]]:
     """TreeAccept over every row -> accepted paths (root first) and bonus tokens: greedy rows in one
@@ -114,17 +120,21 @@ def accept(trees: list[DraftTree], parents: np.ndarray, tokens: np.ndarray, logi
     paths: list[list[int]] = [[] for _ in trees]
     bonus = [0] * len(trees)
     greedy = [r for r, t in enumerate(temperatures) if t == 0.0]
-    if greedy:
+    if greedy:  # logits on a GPU: argmax and TreeAccept there, only the paths come back
+        target_tokens = (logits[greedy].argmax(dim=-1) if isinstance(logits, torch.Tensor)
+                         else logits[greedy].argmax(axis=-1))
         result = plugins.tree_accept_greedy(parents=parents[greedy], draft_tokens=tokens[greedy],
                                             past_lengths=np.zeros(len(greedy), np.int64),
-                                            target_tokens=logits[greedy].argmax(axis=-1), max_depth=max_depth)
+                                            target_tokens=target_tokens, max_depth=max_depth)
+        result = TreeAcceptResult(*(as_numpy(getattr(result, f.name)) for f in fields(result)))
         for i, r in enumerate(greedy):
             paths[r] = result.accepted_path[i, : int(result.accept_length[i])].tolist()
             bonus[r] = int(result.bonus_token[i])
     sampled = [r for r, t in enumerate(temperatures) if t > 0.0]
     if sampled:  # best-first trees: TreeAccept's "deterministic" draft process, each row its own uniforms
-        target_probs = torch.stack([probabilities(torch.from_numpy(logits[r]), temperatures[r]).double()
-                                    for r in sampled])  # [S, T, V]
+        rows_logits = as_numpy(logits[sampled])
+        target_probs = torch.stack([probabilities(torch.from_numpy(rows_logits[i]), temperatures[r]).double()
+                                    for i, r in enumerate(sampled)])  # [S, T, V]
         uniforms = torch.zeros(len(sampled), parents.shape[1], dtype=torch.float64)
         for i, r in enumerate(sampled):
             uniforms[i, : trees[r].num_nodes + 1] = torch.rand(1, trees[r].num_nodes + 1, generator=generators[r],

@@ -1,6 +1,6 @@
-"""The batched engine on CUDA (PyTorch backend, `device="cuda"`): chains and draft trees stay
-lossless, greedy and sampled. Skipped with the reason where torch sees no CUDA device (never run on
-a GPU yet: tools/gpu_check.sh runs these on a lent machine)."""
+"""The batched engine on CUDA (PyTorch backend, `device="cuda"`, the target's cache resident on the
+device): chains and draft trees stay lossless, greedy and sampled. Skipped with the reason where
+torch sees no CUDA device (tools/gpu_check.sh runs these on a lent GPU machine)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from dspark.models import load_pair
 from dspark.runtime.backend import BackendUnavailable
 from dspark.runtime.batch_loop import BatchEngine
 from dspark.runtime.cost_model import StepCostModel
+from dspark.runtime.cuda_graphs import GraphCache
 from dspark.runtime.kv_cache import Capacity
 from dspark.runtime.model_info import ModelInfo
 from dspark.runtime.prefix_scheduler import SchedulerConfig
@@ -67,10 +68,35 @@ def test_greedy_on_cuda_equals_the_target_on_cuda(cuda_pair, scheduler):
             e.step()  # requests arrive mid-flight
         finished = e.run_until_done()
         outputs[name] = [finished[i].tokens for i in ids]
+        assert e.target_kv.keys[0].is_cuda  # the target's cache stays on the device between steps
         if name == "speculative":
             assert max(n for s in e.stats.steps for n in s.acceptance_lengths) > 1
     assert outputs["speculative"] == outputs["target"]
     assert next(target.parameters()).device.type == "cuda"
+
+
+@pytest.mark.gpu
+def test_cuda_graph_replay_gives_the_eager_tokens(cuda_pair):
+    """The same engines on captured graphs (every recurring layout replayed, untuned; and the default,
+    which keeps replay where it measured faster) and on the eager modules (same device, same kernels)."""
+    target, drafter, tuned = cuda_pair
+    info = ModelInfo.from_models(target, drafter)
+    eager = TorchBackend(target, drafter, device="cuda", cuda_graphs=False).open()
+    replaying = TorchBackend(target, drafter, device="cuda").open()
+    replaying.graph_cache = GraphCache(replaying.device, tune=False)
+    for config in (SchedulerConfig("off"), SchedulerConfig("dspark", gate_drafting=False),
+                   SchedulerConfig("fixed", drafting="tree", tree_nodes=8)):
+        outputs = []
+        for b in (eager, replaying, tuned):
+            e = engine(b, info, config)
+            assert e.kv_mode == "static"
+            ids = [e.submit(p, max_new_tokens=24) for p in PROMPTS]
+            finished = e.run_until_done()
+            outputs.append([finished[i].tokens for i in ids])
+        assert outputs[1] == outputs[0] and outputs[2] == outputs[0], config
+    assert any(layout[0] == "target_static" for layout in replaying.graph_cache.calls)
+    assert tuned.graph_cache.calls or tuned.graph_cache.eager_layouts
+    assert eager.graph_cache is None
 
 
 @pytest.mark.gpu

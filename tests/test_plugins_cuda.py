@@ -115,3 +115,32 @@ def test_sampling_kernel_matches_reference(gpu, vocab, process, max_depth):
     want = tree_accept_sampling(parents, tokens, past, target, draft, uniforms, max_depth)
     assert (want.accept_length > 1).any()
     assert_same_result(got, want)
+
+
+@pytest.mark.gpu
+def test_the_api_runs_the_kernels_on_cuda_tensors(gpu):
+    """What the engine's tree verification calls with its cache on a GPU: masks and greedy acceptance made
+    on the device by the kernels (no host round trip), equal to the references."""
+    import torch
+
+    from dspark import plugins
+    from dspark.plugins.tree_attention_mask.reference import compose_full_mask
+
+    rng = np.random.default_rng(7)
+    parents, tokens = random_trees(rng, 9, 17, pad=0.1, vocab=3)
+    past = rng.integers(0, 500, size=9)
+    mask = plugins.tree_attention_mask(torch.from_numpy(parents).cuda(), past)
+    assert mask.mask.is_cuda and mask.mask.dtype == torch.bool
+    for got, want in zip((mask.mask, mask.position_ids, mask.packed_mask), tree_attention_mask(parents, past),
+                         strict=True):
+        np.testing.assert_array_equal(got.cpu().numpy(), want)
+    full = plugins.compose_full_mask(mask.mask, past, 600)
+    np.testing.assert_array_equal(full.cpu().numpy(), compose_full_mask(tree_attention_mask(parents, past)[0], past,
+                                                                        600))
+    targets = rng.integers(3, size=(9, 17))
+    got = plugins.tree_accept_greedy(parents=parents, draft_tokens=tokens, past_lengths=past,
+                                     target_tokens=torch.from_numpy(targets).cuda(), max_depth=5)
+    assert got.accepted_path.is_cuda
+    assert_same_result(type(got)(*(a.cpu().numpy() for a in (got.accepted_path, got.accept_length, got.bonus_token,
+                                                             got.kv_keep))),
+                       tree_accept_greedy(parents, tokens, past, targets, 5))

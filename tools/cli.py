@@ -52,10 +52,10 @@ def main() -> None:
 
 
 def export_main() -> None:
-    """The `dspark-export` script: the command `dspark export` runs."""
-    _load("export")()
+    """The `dspark-export` script: the command `dspark export` runs (its usage names the script)."""
+    _load("export")(prog_name="dspark-export")
 
 
 def build_engine_main() -> None:
     """The `dspark-build-engine` script: the command `dspark build-engine` runs."""
-    _load("build-engine")()
+    _load("build-engine")(prog_name="dspark-build-engine")

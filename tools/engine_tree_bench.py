@@ -35,6 +35,7 @@ from dspark.runtime.cost_model import StepCostModel
 from dspark.runtime.kv_cache import Capacity
 from dspark.runtime.model_info import ModelInfo
 from dspark.runtime.prefix_scheduler import SchedulerConfig
+from dspark.runtime.target_runner import kv_mode_for
 from dspark.runtime.torch_backend import TorchBackend
 
 from .errors import OneLineErrors
@@ -95,8 +96,12 @@ def fit_cost(backend, info, prompts_by_r: dict[int, list[list[int]]], new_tokens
 @click.option("--device", default="cpu", show_default=True, help="PyTorch device: cpu or cuda.")
 @click.option("--threads", default=0, show_default=True, help="Intra-op threads (0: leave as is).")
 @click.option("--backend", "backend_name", type=click.Choice(["torch", "ort"]), default="torch", show_default=True)
+@click.option("--host-kv", is_flag=True, help="PyTorch on a GPU: keep the target's cache on the host (every call "
+              "moves it both ways), for comparison with the default device-resident cache.")
+@click.option("--cuda-graphs/--no-cuda-graphs", default=True, show_default=True,
+              help="PyTorch on a GPU: replay recurring feed layouts as CUDA graphs.")
 def main(target_dir: Path, drafter_dir: Path, requests: str, new_tokens: int, repeats: int, tree_nodes: int,
-         device: str, threads: int, backend_name: str) -> None:
+         device: str, threads: int, backend_name: str, host_kv: bool, cuda_graphs: bool) -> None:
     if threads:
         torch.set_num_threads(threads)
     from tokenizers import Tokenizer
@@ -116,21 +121,27 @@ def main(target_dir: Path, drafter_dir: Path, requests: str, new_tokens: int, re
         backend = OrtBackend(folder, intra_op_threads=threads).open()
         info = ModelInfo.from_manifest(backend.manifest)
     else:
-        backend = TorchBackend(target, drafter, device=device).open()  # no CUDA: one line (OneLineErrors)
+        # no CUDA: one line (OneLineErrors)
+        backend = TorchBackend(target, drafter, device=device, resident_kv=not host_kv, cuda_graphs=cuda_graphs).open()
         info = ModelInfo.from_models(target, drafter)
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
-    click.echo(f"models: {target_dir} + {drafter_dir}; {backend_name} backend, device {device}; "
+    graphs = getattr(backend, "graph_cache", None) is not None
+    click.echo(f"models: {target_dir} + {drafter_dir}; {backend_name} backend, device {device}"
+               f"{', target KV on the host' if host_kv else ''}{', CUDA graphs' if graphs else ''}; "
                f"{new_tokens} new tokens; tree nodes ≤ {tree_nodes}; {repeats} interleaved repeats")
     cost = fit_cost(backend, info, prompts_by_r, min(new_tokens, 24), tree_nodes, sync)
-    click.echo(f"step cost fitted here: {cost.to_dict()}")
+    click.echo(f"step cost fitted here: {cost.to_dict()}; target KV mode {kv_mode_for(backend, None)}")
     click.echo(f"{'R':>3} {'method':<15} {'tau':>6} {'tok/s med':>10} {'tok/s min':>10} {'vs AR':>6}")
     for r, prompts in prompts_by_r.items():  # one batch size at a time: its rows print as soon as they exist
         speeds: dict[str, list[float]] = {m: [] for m in METHODS}
         taus: dict[str, float] = {}
+        phases: dict[str, str] = {}
         reference = None
         for _ in range(repeats):
             for method in METHODS:
-                speed, tau, outputs, _ = run_once(backend, info, method, prompts, new_tokens, cost, tree_nodes, sync)
+                speed, tau, outputs, engine = run_once(backend, info, method, prompts, new_tokens, cost, tree_nodes,
+                                                       sync)
+                phases[method] = phase_split(engine)
                 reference = outputs if method == "autoregressive" else reference
                 if outputs != reference:
                     raise click.ClickException(f"{method} at R={r} differs from target greedy decoding")
@@ -141,6 +152,22 @@ def main(target_dir: Path, drafter_dir: Path, requests: str, new_tokens: int, re
             median = statistics.median(speeds[method])
             click.echo(f"{r:>3} {method:<15} {taus[method]:>6.2f} {median:>10.1f} {min(speeds[method]):>10.1f} "
                        f"{median / base:>6.2f}")
+        for method in METHODS:
+            click.echo(f"    {method} ms/step (last repeat): {phases[method]}")
+    if graphs:
+        cache = backend.graph_cache
+        kept = sorted({layout[0] for layout in cache.calls})
+        eager = sorted({layout[0] for layout in cache.eager_layouts})
+        click.echo(f"CUDA graphs: {len(cache.calls)} layouts replayed ({', '.join(kept) or 'none'}); "
+                   f"{len(cache.eager_layouts)} measured faster eager or not capturable ({', '.join(eager) or 'none'})")
+
+
+def phase_split(engine: BatchEngine) -> str:
+    """Mean milliseconds per step in each phase the engine times (prefill: the admissions' share)."""
+    steps = [s for s in engine.stats.steps if s.requests]
+    names = sorted({name for s in steps for name in s.seconds})
+    return " ".join(f"{name} {1e3 * sum(s.seconds.get(name, 0.0) for s in steps) / max(len(steps), 1):.2f}"
+                    for name in names)
 
 if __name__ == "__main__":
     main()
