@@ -3,7 +3,8 @@
 The numpy references under plugins/<op>/reference.py define the semantics; these wrappers convert
 torch tensors (any device) to numpy and the results back, so the runtime can call them. Inputs on a
 GPU run the CUDA kernels there instead (`plugins.cuda`, where plugins/build.sh has built them:
-TreeAttentionMask and greedy TreeAccept), with nothing copied to the host.
+TreeAttentionMask, and TreeAccept when its target tokens or probabilities are on the GPU), with
+nothing copied to the host.
 """
 
 from __future__ import annotations
@@ -93,6 +94,10 @@ def tree_accept_sampling(
     max_depth: int,
 ) -> _accept.TreeAcceptResult:
     """Lossless tree verification by recursive rejection sampling; see plugins/tree_accept/README.md."""
+    if _cuda.on_device_available(target_probs):
+        return _cuda.on_device_tree_accept_sampling(
+            *(torch.as_tensor(a) for a in (parents, draft_tokens, past_lengths, target_probs, draft_probs, uniforms)),
+            max_depth)
     result = _accept.tree_accept_sampling(
         _numpy(parents),
         _numpy(draft_tokens),

@@ -260,3 +260,24 @@ def on_device_tree_accept_greedy(parents: torch.Tensor, draft_tokens: torch.Tens
                                                         _stream(device))
     _check(status, "dspark_tree_accept_greedy")
     return TreeAcceptResult(*outs)
+
+
+def on_device_tree_accept_sampling(parents: torch.Tensor, draft_tokens: torch.Tensor, past_lengths: torch.Tensor,
+                                   target_probs: torch.Tensor, draft_probs: torch.Tensor, uniforms: torch.Tensor,
+                                   max_depth: int) -> TreeAcceptResult:
+    """Sampling TreeAccept on `target_probs`' GPU (float32 probabilities and uniforms, as the kernel reads
+    them; the other inputs are moved there); the result's arrays are tensors on that device."""
+    batch, n, vocab = target_probs.shape
+    device = target_probs.device
+    ints = [t.to(device=device, dtype=torch.int64).contiguous() for t in (parents, draft_tokens, past_lengths)]
+    floats = [t.to(device=device, dtype=torch.float32).contiguous() for t in (target_probs, draft_probs, uniforms)]
+    lib = plugin_library()
+    workspace = torch.empty(max(int(lib.dspark_tree_accept_sampling_workspace_size(batch, vocab)), 1),
+                            dtype=torch.uint8, device=device)
+    width = max_depth + 1
+    outs = [torch.empty(shape, dtype=torch.int64, device=device)
+            for shape in ((batch, width), (batch,), (batch,), (batch, width))]
+    status = lib.dspark_tree_accept_sampling(*map(_ptr, ints), *map(_ptr, floats), batch, n, vocab, max_depth,
+                                             _ptr(workspace), *map(_ptr, outs), _stream(device))
+    _check(status, "dspark_tree_accept_sampling")
+    return TreeAcceptResult(*outs)

@@ -115,14 +115,16 @@ class Runtime:
     @classmethod
     def from_checkpoints(cls, target_dir: str | Path, drafter_dir: str | Path,
                          options: RuntimeOptions | None = None, *,
-                         cost_model: StepCost | None = None) -> Runtime:
+                         cost_model: StepCost | None = None, device: str = "cpu") -> Runtime:
+        """The PyTorch backend over the checkpoints, on `device` ("cuda": the target's KV cache on the GPU,
+        recurring layouts replayed as CUDA graphs; see runtime/torch_backend.py)."""
         from dspark.models import load_pair
 
         from .torch_backend import TorchBackend
 
         target, drafter = load_pair(target_dir, drafter_dir)
-        return cls(TorchBackend(target, drafter), ModelInfo.from_models(target, drafter), options, cost_model,
-                   text_dirs=(Path(target_dir),))
+        return cls(TorchBackend(target, drafter, device=device), ModelInfo.from_models(target, drafter), options,
+                   cost_model, text_dirs=(Path(target_dir),))
 
     def close(self) -> None:
         self.monitor.close()

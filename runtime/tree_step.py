@@ -9,8 +9,8 @@ one target call, keep each request's accepted path.
             TreeAttentionMask operator (`dspark.plugins`: the numpy reference on the host, the CUDA
             kernel where the cache is on a GPU), one call of the plain or static-cache target graph
             (the graphs with a mask input) over the slot cache
-  accept    TreeAccept: greedy rows in one call (on a GPU: argmax and the kernel there), sampling
-            rows each on its own random stream
+  accept    TreeAccept: greedy rows in one call, sampling rows in another, each row on its own
+            random stream (on a GPU: argmax or probabilities, and the kernels, there)
             (best-first trees are a deterministic function of the drafter: the "deterministic"
             process keeps sampling exact)
   commit    each row's accepted path's keys/values, gathered into path order, written at the row's
@@ -132,19 +132,24 @@ def accept(trees: list[DraftTree], parents: np.ndarray, tokens: np.ndarray, logi
             bonus[r] = int(result.bonus_token[i])
     sampled = [r for r, t in enumerate(temperatures) if t > 0.0]
     if sampled:  # best-first trees: TreeAccept's "deterministic" draft process, each row its own uniforms
-        rows_logits = as_numpy(logits[sampled])
-        target_probs = torch.stack([probabilities(torch.from_numpy(rows_logits[i]), temperatures[r]).double()
-                                    for i, r in enumerate(sampled)])  # [S, T, V]
+        # on a GPU: probabilities there in float32 and the kernel (the host reference works in float64)
+        on_device = isinstance(logits, torch.Tensor) and logits.is_cuda
+        rows_logits = logits[sampled] if on_device else torch.from_numpy(as_numpy(logits[sampled]))
+        target_probs = torch.stack([probabilities(rows_logits[i], temperatures[r]) for i, r in enumerate(sampled)])
+        target_probs = target_probs if on_device else target_probs.double()  # [S, T, V]
         uniforms = torch.zeros(len(sampled), parents.shape[1], dtype=torch.float64)
         for i, r in enumerate(sampled):
             uniforms[i, : trees[r].num_nodes + 1] = torch.rand(1, trees[r].num_nodes + 1, generator=generators[r],
                                                                dtype=torch.float64)[0]
+        probs = target_probs if on_device else target_probs.numpy()
         draft_probs = plugins.child_draft_probs(parents=parents[sampled], draft_tokens=tokens[sampled],
-                                                parent_probs=target_probs.numpy(), process="deterministic")
+                                                parent_probs=probs, process="deterministic")
         result = plugins.tree_accept_sampling(parents=parents[sampled], draft_tokens=tokens[sampled],
                                               past_lengths=np.zeros(len(sampled), np.int64),
-                                              target_probs=target_probs.numpy(), draft_probs=draft_probs,
-                                              uniforms=uniforms.numpy(), max_depth=max_depth)
+                                              target_probs=probs, draft_probs=draft_probs,
+                                              uniforms=uniforms.to(target_probs.device) if on_device
+                                              else uniforms.numpy(), max_depth=max_depth)
+        result = TreeAcceptResult(*(as_numpy(getattr(result, f.name)) for f in fields(result)))
         for i, r in enumerate(sampled):
             paths[r] = result.accepted_path[i, : int(result.accept_length[i])].tolist()
             bonus[r] = int(result.bonus_token[i])

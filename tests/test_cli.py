@@ -132,6 +132,7 @@ def test_generate_json_equals_target_greedy(scheduler):
         (["--target", "{t}", "--drafter", "{d}", "--prompt-ids", " , "], "expected at least one token id"),
         (["--target", "{t}", "--drafter", "{d}", "--prompt-ids", "1,9999"], "outside the vocabulary"),
         (["--target", "{t}", "--drafter", "{d}", "--prompt", "hello"], "--prompt needs"),
+        (["--engine", "{t}", "--prompt-ids", "1,2", "--device", "cuda"], "--device runs the PyTorch backend"),
     ],
 )
 def test_generate_refuses_bad_input(args, message):
@@ -167,3 +168,34 @@ def test_generate_without_engine_builds_the_demo_once_and_reuses_it(tmp_path, mo
     assert report["text"] == tokenizer.decode(ids)
     prompt = tokenizer.encode("def parse_args(").ids
     assert ids == autoregressive_generate(target, prompt, max_new_tokens=12, stop_token_ids=target.config.eos_token_ids)
+
+
+def test_generate_on_cuda_without_cuda_is_one_line():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available here: nothing to refuse")
+    root = golden_path("qwen3-tiny-vanilla")
+    result = CliRunner().invoke(main, ["generate", "--target", str(root / "target"), "--drafter", str(root / "drafter"),
+                                       "--prompt-ids", "1,2", "--device", "cuda"])
+    _one_line_error(result, "dspark generate", "sees no CUDA device")
+
+
+@pytest.mark.gpu
+def test_generate_on_cuda_equals_the_target_alone_on_cuda():
+    """`dspark generate --device cuda` on the bundled demo pair: DSpark's tokens are the target's alone."""
+    from importlib import resources
+
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip(f"needs a CUDA device: torch {torch.__version__} sees none")
+    demo = resources.files("dspark.models") / "demo"
+    outputs = []
+    for scheduler in ("dspark", "off"):
+        result = CliRunner().invoke(main, [
+            "generate", "--target", str(demo / "target"), "--drafter", str(demo / "dspark"), "--prompt",
+            "def parse_args(", "--max-new-tokens", "32", "--device", "cuda", "--scheduler", scheduler, "--json"])
+        assert result.exit_code == 0, result.output
+        outputs.append(json.loads(result.output))
+    assert outputs[0]["output_ids"] == outputs[1]["output_ids"] and outputs[0]["mean_accepted_length"] > 1

@@ -141,3 +141,34 @@ def test_ort_cuda_provider_trees_equal_the_target(tmp_path):
     finished = e.run_until_done()
     for i, p in zip(ids, PROMPTS, strict=True):
         assert finished[i].tokens == autoregressive_generate(target, p, max_new_tokens=16)
+
+
+@pytest.mark.gpu
+def test_tree_sampling_on_cuda_follows_the_target_law():
+    """tests/test_tree_batch.py's law test with the engine on CUDA: sampled tree rows accepted by the
+    TreeAccept kernel on the device (float32), greedy rows by its greedy kernel; the law at T = 0.7 must fail."""
+    from sampling_law import PROMPT, VOCAB, exact_law_of_tokens_2_and_3, pooled_pvalue, small_pair
+    from test_tree_batch import tree_engine
+
+    from dspark.plugins import cuda
+    from dspark.runtime.reference_decoder import autoregressive_generate
+
+    if not torch.cuda.is_available():
+        pytest.skip(NO_CUDA)
+    if not cuda.library_path().is_file():
+        pytest.skip(f"{cuda.library_path()} not built: run plugins/build.sh (tools/gpu_check.sh does)")
+    reference, _ = small_pair()  # the same seeded pair, kept on the host for the exact law
+    target, drafter = small_pair()
+    backend = TorchBackend(target, drafter, device="cuda").open()
+    engine = tree_engine(backend, ModelInfo.from_models(target, drafter), mode="fixed", kv_mode="static", slots=128,
+                         nodes=4, top_k=2)
+    ids = [engine.submit(PROMPT, max_new_tokens=3, temperature=1.0, seed=s) for s in range(1500)]
+    greedy = engine.submit(PROMPT, max_new_tokens=6)
+    finished = engine.run_until_done()
+    assert finished[greedy].tokens == autoregressive_generate(reference, PROMPT, max_new_tokens=6)
+    counts = torch.zeros(VOCAB, VOCAB, dtype=torch.float64)
+    for i in ids:
+        counts[finished[i].tokens[1], finished[i].tokens[2]] += 1
+    assert max(n for s in engine.stats.steps for n in s.acceptance_lengths) > 2
+    assert pooled_pvalue(counts, exact_law_of_tokens_2_and_3(reference, 1.0)) > 1e-3
+    assert pooled_pvalue(counts, exact_law_of_tokens_2_and_3(reference, 0.7)) < 1e-6

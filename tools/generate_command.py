@@ -42,10 +42,13 @@ def _parse_ids(ctx: click.Context, param: click.Parameter, text: str | None) -> 
 @click.option("--gamma", type=click.IntRange(min=0), help="Draft tokens per round for --scheduler fixed.")
 @click.option("--threshold", default=0.5, show_default=True,
               help="Confidence cut-off for --scheduler threshold.")
-@click.option("--kv-mode", default="concat", show_default=True, type=click.Choice(["concat", "static"]))
+@click.option("--kv-mode", type=click.Choice(["concat", "static"]),
+              help="Target KV mode. Default: concat, or static with --device cuda (fixed shapes: CUDA-graph replay).")
+@click.option("--device", default="cpu", show_default=True,
+              help="PyTorch device for --target/--drafter: cpu, or cuda (the KV cache stays on the GPU).")
 @click.option("--json", "as_json", is_flag=True, help="Print ids, rounds, acceptance and speed as JSON.")
 def generate(engine_dir, target_dir, drafter_dir, prompt, prompt_ids, max_new_tokens, temperature, seed,
-             scheduler, gamma, threshold, kv_mode, as_json) -> None:
+             scheduler, gamma, threshold, kv_mode, device, as_json) -> None:
     """Generate with DSpark speculative decoding (lossless: same distribution as the target)."""
     from pathlib import Path
 
@@ -57,6 +60,9 @@ def generate(engine_dir, target_dir, drafter_dir, prompt, prompt_ids, max_new_to
         raise click.UsageError("give either --engine DIR or --target DIR --drafter DIR, not both")
     if target_dir is not None and drafter_dir is None:
         raise click.UsageError("--target needs --drafter")
+    if device != "cpu" and target_dir is None:
+        raise click.UsageError("--device runs the PyTorch backend: give --target DIR --drafter DIR (an engine's "
+                               "backend is the one its engine.json names)")
     if (prompt is None) == (prompt_ids is None):
         raise click.UsageError("give exactly one of --prompt TEXT or --prompt-ids 1,2,3")
     if engine_dir is None and target_dir is None:
@@ -69,11 +75,12 @@ def generate(engine_dir, target_dir, drafter_dir, prompt, prompt_ids, max_new_to
                                    "--prompt needs it; pass --prompt-ids instead")
         prompt_ids = tokenizer.encode(prompt).ids
     options = RuntimeOptions(
-        scheduler=SchedulerConfig(scheduler, fixed_length=gamma, threshold=threshold), kv_mode=kv_mode,
+        scheduler=SchedulerConfig(scheduler, fixed_length=gamma, threshold=threshold),
+        kv_mode=kv_mode or ("concat" if device == "cpu" else "static"),
         max_requests=1, max_seq_len=len(prompt_ids) + max_new_tokens + 64,
     )
     with (Runtime.load(engine_dir, options) if engine_dir
-          else Runtime.from_checkpoints(target_dir, drafter_dir, options)) as runtime:
+          else Runtime.from_checkpoints(target_dir, drafter_dir, options, device=device)) as runtime:
         begin = time.perf_counter()
         (result,) = runtime.generate(prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
                                      stop=runtime.info.eos_token_ids)

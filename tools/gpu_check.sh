@@ -9,7 +9,7 @@
 # 2. builds the CUDA plugins (plugins/build.sh)
 # 3. runs every GPU-marked test: the CUDA kernels against their numpy references
 #    (tests/test_plugins_cuda.py: masks and accepted paths compared exactly, i.e. max |diff| = 0),
-#    and the batched engine on CUDA, lossless (tests/test_gpu_engine.py)
+#    the batched engine on CUDA, lossless (tests/test_gpu_engine.py), `dspark generate --device cuda` (test_cli.py)
 # 4. a short bench on the COST STAND-IN target (models/inflate.py: the demo target inflated to
 #    $STANDIN_PARAMS, same outputs, a 1-2B model's cost): tok/s of autoregressive, chain and tree
 #    decoding at 1, 16, 64 requests, with the ratios to autoregressive (tools/engine_tree_bench.py)
@@ -63,8 +63,9 @@ timeout 180 bash "$repo/plugins/build.sh" || note_failure "plugins/build.sh"
 
 part "3. GPU-marked tests (kernels vs references; the engine on CUDA, lossless)"
 (cd "$repo/tests" && timeout 300 "$py" -m pytest -q -ra -m gpu -p no:cacheprovider test_plugins_cuda.py \
-   test_gpu_engine.py --junitxml="$out/gpu_tests.xml") || note_failure "GPU-marked tests"
+   test_gpu_engine.py test_cli.py --junitxml="$out/gpu_tests.xml") || note_failure "GPU-marked tests"
 
+if [ "${GPU_CHECK_BENCH:-1}" != 0 ]; then  # GPU_CHECK_BENCH=0: parts 1-3 only
 part "4. bench on the cost stand-in (${STANDIN_PARAMS:=1B} parameters)"
 standin="${STANDIN_DIR:-$out/standin-$STANDIN_PARAMS}"
 timeout 120 "$py" - "$standin" "$STANDIN_PARAMS" <<'EOF' || note_failure "making the stand-in"
@@ -89,6 +90,7 @@ timeout 150 "$py" -m dspark.tools.engine_tree_bench --device cuda --target "$sta
 timeout 120 "$py" -m dspark.tools.engine_tree_bench --device cuda --target "$standin" --host-kv --no-cuda-graphs \
   --drafter "$repo/models/demo/dspark" --requests "$HOST_KV_REQUESTS" --new-tokens 24 --repeats 1 \
   | tee "$out/bench_host_kv.txt" || note_failure "host-KV bench"
+fi
 
 part "done: $failed part(s) failed; log and figures in $out"
 exit "$failed"
