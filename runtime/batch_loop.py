@@ -215,7 +215,10 @@ class BatchEngine:
             begin = time.perf_counter()
         confidence = None if block is None or block.confidence_logits is None else torch.as_tensor(
             block.confidence_logits)
-        if block is not None or not self.scheduler.needs_drafts:
+        # a probe under padded verification verifies anchors only: it is there for the drafted rows'
+        # confidences (the gate's pool), and their drafts would pad every row to their width
+        probe_only = plan is not None and plan.probe and self.scheduler.pricing == "padded"
+        if (block is not None and not probe_only) or not self.scheduler.needs_drafts:
             decision = self.planner.decide(requests=rows, block_size=self.info.block_size,
                                            confidence_logits=confidence,
                                            step_seconds=self.cost_model.seconds if self.cost_model else None)

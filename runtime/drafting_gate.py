@@ -30,7 +30,11 @@ Probes. At the first step and after `probe_every` steps without drafting, the `p
 with the smallest backlogs draft (cheapest to catch up; R ≤ probe_rows: all of them); their
 confidences refresh the pool. The other rows verify their anchor only: the engine gives them
 confidence −inf, survival 0, so they are no candidate of Algorithm 1 and their length is 0.
-The price: the drafter over ≤ probe_rows rows, against R rows before.
+Under padded verification (the engine's [R, W] graphs) the probe rows verify their anchor only
+too: their drafts would widen every row's verification to theirs (measured at 64 requests on the
+demo engine: a probe step's verification took 33–35 ms at W = 4 against 10 ms at W = 1, and the
+probes cost the scheduler ~10 % of its throughput against plain decoding). The price: the
+drafter over ≤ probe_rows rows, against R rows before.
 
 Catch-up. A row that skipped drafting has a backlog: the context rows it has not fed to the
 drafter (its prompt if it never drafted, one row per skipped step). A normal drafting step feeds

@@ -83,6 +83,8 @@ def test_results_schema_and_plots(bench_out: Path) -> None:
             for r in runs:
                 assert 0 < r["tokens"] <= r["concurrency"] * 6  # a request may stop early at the stop token
                 assert r["aggregate_tokens_per_second"] > 0 and r["per_request_tokens_per_second"] > 0
+                assert len(r["aggregate_runs"]) == 3  # --sweep-repeats' default; the row is the median run
+                assert r["aggregate_tokens_per_second"] == sorted(r["aggregate_runs"])[1]
                 assert r["same_tokens_as_autoregressive"], (entry["target"], name, r)
                 assert r["ratio_to_autoregressive"] == pytest.approx(
                     r["aggregate_tokens_per_second"] / sweep["autoregressive"][runs.index(r)]

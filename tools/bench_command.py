@@ -35,6 +35,7 @@ class Sizes:
     concurrency: tuple[int, ...]
     sweep_prompt_len: int
     sweep_new_tokens: int
+    sweep_repeats: int = 3  # interleaved runs per (scheduler, concurrency); rows are the median run
 
 
 QUICK = Sizes(prompts=8, prompt_len=64, new_tokens=64, concurrency=(1, 4, 16, 64, 256), sweep_prompt_len=32,
@@ -82,8 +83,11 @@ def _concurrency(text: str | None) -> tuple[int, ...] | None:
 @click.option("--standin-params", default="100M", show_default=True,
               help="The stand-in's size: 100M, 1.5B, 250k, or a multiple of the target (4x).")
 @click.option("--sweep-only", is_flag=True, help="Only the load sweep(s): no acceptance, single stream, peers.")
+@click.option("--sweep-repeats", default=3, show_default=True, type=click.IntRange(min=1),
+              help="Interleaved runs per scheduler and concurrency in the sweep (rows: the median run).")
 def bench(out, quick, engine, target, drafter, dflash, prompts_file, threads, num_prompts, prompt_len, new_tokens,
-          concurrency, sweep_new_tokens, no_peers, draft_model, standin, standin_params, sweep_only) -> None:
+          concurrency, sweep_new_tokens, no_peers, draft_model, standin, standin_params, sweep_only,
+          sweep_repeats) -> None:
     """Acceptance, single-stream speed against peers, and a concurrency sweep, with plots."""
     from .bench.subjects import BenchSetupError
 
@@ -91,7 +95,7 @@ def bench(out, quick, engine, target, drafter, dflash, prompts_file, threads, nu
     sizes = Sizes(num_prompts or base.prompts, prompt_len or base.prompt_len, new_tokens or base.new_tokens,
                   _concurrency(concurrency) or base.concurrency, min(prompt_len or base.sweep_prompt_len,
                                                                      base.sweep_prompt_len),
-                  sweep_new_tokens or base.sweep_new_tokens)
+                  sweep_new_tokens or base.sweep_new_tokens, sweep_repeats)
     out.mkdir(parents=True, exist_ok=True)
     try:
         results = run_bench(out, sizes, engine=engine, target=target, drafter=drafter, dflash=dflash,
@@ -145,7 +149,8 @@ def run_bench(out: Path, sizes: Sizes, *, engine: Path | None, target: Path | No
                     "cpus": os.cpu_count(), "threads": threads, "load_average_before": load_before},
         "config": {"prompts": len(prompts), "prompt_source": prompt_source, "new_tokens": sizes.new_tokens,
                    "concurrency": list(sizes.concurrency), "sweep_prompt_len": sizes.sweep_prompt_len,
-                   "sweep_new_tokens": sizes.sweep_new_tokens, "sweep_distinct_prompts": SWEEP_DISTINCT_PROMPTS,
+                   "sweep_new_tokens": sizes.sweep_new_tokens, "sweep_repeats": sizes.sweep_repeats,
+                   "sweep_distinct_prompts": SWEEP_DISTINCT_PROMPTS,
                    "stop_token": stop,
                    "block_size": info.block_size},
         "subjects": {"source": chosen.source, **{k: None if v is None else str(v) for k, v in {
@@ -164,7 +169,8 @@ def run_bench(out: Path, sizes: Sizes, *, engine: Path | None, target: Path | No
         prompts_file, chosen.tokenizer_path, count=min(max(sizes.concurrency), SWEEP_DISTINCT_PROMPTS),
         length=sizes.sweep_prompt_len, vocab_size=info.vocab_size, avoid=(stop, info.mask_token_id), seed=1)
     sweep_prompts = [p[: sizes.sweep_prompt_len] for p in sweep_prompts]
-    sweep = dict(concurrency=sizes.concurrency, max_new_tokens=sizes.sweep_new_tokens, stop=stop)
+    sweep = dict(concurrency=sizes.concurrency, max_new_tokens=sizes.sweep_new_tokens, stop=stop,
+                 repeats=sizes.sweep_repeats)
     results["vllm_reference"] = load_sweep.VLLM_REFERENCE
     results["load_sweeps"] = [load_sweep.target_sweep(subjects.target_label(chosen), runtime, sweep_prompts, **sweep)]
     results["cost_model_ms"] = runtime.cost_model.to_dict() if runtime.cost_model else None

@@ -84,25 +84,36 @@ def run_load(base: Runtime, scheduler: SchedulerConfig, prompts: Sequence[list[i
 
 
 def load_sweep(base: Runtime, prompts: Sequence[list[int]], concurrency: Sequence[int], *,
-               max_new_tokens: int, stop: int, progress: bool = True,
+               max_new_tokens: int, stop: int, repeats: int = 3, progress: bool = True,
                desc: str = "load sweep") -> dict[str, list[dict[str, Any]]]:
     """{scheduler name: one row per concurrency}; request i uses prompts[i % len(prompts)].
-    Output token lists are dropped from the rows (they are checked, not stored): each row's
-    `same_tokens_as_autoregressive` says whether every request matched the `off` run."""
+    At each concurrency every scheduler runs `repeats` times, interleaved (scheduler after scheduler,
+    repeat after repeat: a run at a few requests lasts ~0.1 s, where this machine's load moves one
+    run by 15-40 %); a row is the run of median aggregate tok/s, with every run's figure in
+    `aggregate_runs`. Output token lists are dropped from the rows (they are checked, not stored):
+    each row's `same_tokens_as_autoregressive` says whether every request matched the `off` run,
+    in every repeat."""
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
     configs = schedulers(base.info.block_size, base.info.has_confidence)
-    jobs = [(name, c) for c in concurrency for name in configs]
-    rows: dict[str, list[dict[str, Any]]] = {name: [] for name in configs}
-    outputs: dict[tuple[str, int], list[list[int]]] = {}
+    jobs = [(name, c) for c in concurrency for _ in range(repeats) for name in configs]
+    runs: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    outputs: dict[tuple[str, int], list[list[list[int]]]] = {}
     bar = tqdm(jobs, desc=desc, unit="run", disable=not progress)
     for name, c in bar:
         bar.set_postfix_str(f"{name}, {c} requests")
         batch = [prompts[i % len(prompts)] for i in range(c)]
         row = run_load(base, configs[name], batch, max_new_tokens=max_new_tokens, stop=stop)
-        outputs[name, c] = row.pop("outputs")
-        rows[name].append(row)
-    for name, name_rows in rows.items():
-        for row, c in zip(name_rows, concurrency, strict=True):
-            row["same_tokens_as_autoregressive"] = outputs[name, c] == outputs[AUTOREGRESSIVE, c]
+        outputs.setdefault((name, c), []).append(row.pop("outputs"))
+        runs.setdefault((name, c), []).append(row)
+    rows: dict[str, list[dict[str, Any]]] = {name: [] for name in configs}
+    for name in configs:
+        for c in concurrency:
+            ordered = sorted(runs[name, c], key=lambda r: r["aggregate_tokens_per_second"])
+            row = dict(ordered[(len(ordered) - 1) // 2])  # the median run (the lower one of an even count)
+            row["aggregate_runs"] = [r["aggregate_tokens_per_second"] for r in runs[name, c]]
+            row["same_tokens_as_autoregressive"] = all(o == outputs[AUTOREGRESSIVE, c][0] for o in outputs[name, c])
+            rows[name].append(row)
     return rows
 
 
@@ -158,10 +169,10 @@ def compare(sweep: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
 
 
 def target_sweep(label: str, base: Runtime, prompts: Sequence[list[int]], concurrency: Sequence[int], *,
-                 max_new_tokens: int, stop: int, standin: dict[str, Any] | None = None,
+                 max_new_tokens: int, stop: int, repeats: int = 3, standin: dict[str, Any] | None = None,
                  progress: bool = True) -> dict[str, Any]:
     """The sweep of one target, labelled: {"target": label, "standin": the stand-in's record or None,
     "schedulers": {name: rows}, "comparison": compare(...)}."""
-    rows = load_sweep(base, prompts, concurrency, max_new_tokens=max_new_tokens, stop=stop, progress=progress,
-                      desc=f"load sweep, {label}")
+    rows = load_sweep(base, prompts, concurrency, max_new_tokens=max_new_tokens, stop=stop, repeats=repeats,
+                      progress=progress, desc=f"load sweep, {label}")
     return {"target": label, "standin": standin, "schedulers": rows, "comparison": compare(rows)}

@@ -68,12 +68,15 @@ def sweep_table(sweeps: list[dict[str, Any]]) -> str:
     for sweep in sweeps:
         for name, rows in sweep["schedulers"].items():
             for r in rows:
+                runs = r.get("aggregate_runs") or [r["aggregate_tokens_per_second"]]
                 out.append([sweep["target"], name, r["concurrency"], r["aggregate_tokens_per_second"],
+                            f"{min(runs):.0f}–{max(runs):.0f}" if len(runs) > 1 else "–",
                             r["per_request_tokens_per_second"], r.get("ratio_to_autoregressive"),
                             r.get("per_request_ratio_to_autoregressive"), r["mean_drafts_per_request_step"],
                             r["mean_verified_tokens_per_step"], r["rejected_draft_fraction"],
                             r["mean_acceptance_length"], "yes" if r["same_tokens_as_autoregressive"] else "NO"])
-    return _table(["target", "scheduler", "requests", "aggregate tok/s", "per-request tok/s", "÷ autoregressive",
+    return _table(["target", "scheduler", "requests", "aggregate tok/s (median run)", "runs min–max",
+                   "per-request tok/s", "÷ autoregressive",
                    "per-request ÷ autoregressive", "drafts/req/step", "verified tokens/step", "rejected drafts", "τ",
                    "= autoregressive"], out)
 
