@@ -150,3 +150,16 @@ def test_a_step_is_learnt_at_the_tokens_it_computed_not_those_it_verified():
     for _ in range(40):
         live.observe(computed)
     assert factor(live, 4, 16) == pytest.approx(2.0, rel=0.05)
+
+
+@pytest.mark.parametrize(("mode", "priced"), [("dspark", True), ("async", True), ("fixed", False), ("off", False)])
+def test_only_schedulers_that_price_steps_get_the_cost_model(mode, priced):
+    """Keeping a live model current costs every step; `fixed` and `off` never read it."""
+    target, drafter = load_pair(DEMO_TARGET, DEMO_DRAFTER)
+    options = RuntimeOptions(scheduler=SchedulerConfig(mode), max_requests=2, max_seq_len=256)
+    with Runtime(TorchBackend(target, drafter), ModelInfo.from_models(target, drafter), options, PRIOR) as runtime:
+        engine = runtime.engine()
+        assert isinstance(engine.cost_model, LiveStepCost) == priced and (engine.cost_model is None) != priced
+        engine.submit([67, 24, 319, 84], max_new_tokens=8)
+        steps = [engine.step() for _ in range(3)]
+        assert all((s.predicted_seconds is not None) == priced for s in steps if s is not None and s.requests)
