@@ -91,7 +91,7 @@ class BatchEngine:
         self.admission = Admission(capacity)
         slots, length = capacity.max_requests, capacity.max_seq_len
         self.target_kv = SlotCache(info.target_cache, slots, length, device=backend.kv_device)
-        self.drafter_kv = SlotCache(info.drafter_cache, slots, length)
+        self.drafter_kv = SlotCache(info.drafter_cache, slots, length, device=backend.kv_device)
         self.target = TargetRunner(backend, info, self.target_kv, self.kv_mode, max_width=info.block_size + 1)
         self.drafter = DrafterRunner(backend, info, self.drafter_kv)
         self.trees = TreeStepper(self) if scheduler.drafting == "tree" else None  # draft trees (tree_step)

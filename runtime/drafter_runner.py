@@ -27,7 +27,7 @@ import torch
 
 from dspark.export import contract as C
 
-from .backend import Backend, BoundCall, as_torch
+from .backend import Array, Backend, BoundCall, as_numpy, as_torch
 from .kv_cache import CapacityError, SlotCache
 from .model_info import ModelInfo
 from .proposer import DraftBlock, propose_rows
@@ -119,21 +119,28 @@ class DrafterRunner:
                                                                    (rows, 1, gamma, visible.shape[1]))),
         }
         if contiguous:  # [rows, kvh, past, hd]
-            layers = [np.ascontiguousarray(t) for kv in self.kv.past(int(slots[0]), rows, past) for t in kv]
-        else:
-            layers = [buf[slots, :, :past] for buf in self.kv.kv]  # a gather: a copy, contiguous
+            layers = [_contiguous(t) for kv in self.kv.past(int(slots[0]), rows, past) for t in kv]
+        else:  # a gather: a copy, contiguous
+            layers = [buf[self.kv.index(slots), :, :past] for buf in self.kv.kv]
         feeds.update(zip(C.kv_names("past_context", len(layers) // 2), layers, strict=True))
-        present = [np.empty((rows, t.shape[1], past + ctx, t.shape[3]), dtype) for t in layers]
         outputs = self._outputs(C.BACKBONE, rows, first)
-        outputs.update(zip(C.kv_names("present_context", len(layers) // 2), present, strict=True))
-        self.backend.run_into(C.BACKBONE, feeds, outputs)
+        names = C.kv_names("present_context", len(layers) // 2)
+        if self.kv.device is None:  # host buffers: the graph writes its new cache into arrays made here
+            present = [np.empty((rows, t.shape[1], past + ctx, t.shape[3]), dtype) for t in layers]
+            outputs.update(zip(names, present, strict=True))
+            self.backend.run_into(C.BACKBONE, feeds, outputs)
+        else:  # a device cache: the new cache stays where the backend made it, block outputs come back
+            out = self.backend.run(C.BACKBONE, feeds)
+            for name, view in outputs.items():
+                np.copyto(view, as_numpy(out[name]))
+            present = [self.kv.local(out[name]) for name in names]
         pairs = list(zip(present[::2], present[1::2], strict=True))
         if contiguous:
             self.kv.write(pairs, source_offset=past, counts=counts, first_row=int(slots[0]))
         else:
             self._write_slots(pairs, past, counts, slots)
 
-    def _write_slots(self, present: list[tuple[np.ndarray, np.ndarray]], past: int, counts: np.ndarray,
+    def _write_slots(self, present: list[tuple[Array, Array]], past: int, counts: np.ndarray,
                      slots: np.ndarray) -> None:
         """SlotCache.write for slot rows that are not one contiguous range."""
         row = np.repeat(np.arange(len(counts)), counts)
@@ -143,9 +150,10 @@ class DrafterRunner:
         dst = self.kv.lengths[slots][row] + within
         if dst.max() >= self.kv.max_len:
             raise CapacityError(f"KV slot overflow: position {int(dst.max())} >= slot length {self.kv.max_len}")
+        at, row, dst, src = (self.kv.index(a) for a in (slots[row], row, dst, past + within))
         for (k, v), buf_k, buf_v in zip(present, self.kv.keys, self.kv.values, strict=True):
-            buf_k[slots[row], :, dst] = k[row, :, past + within]
-            buf_v[slots[row], :, dst] = v[row, :, past + within]
+            buf_k[at, :, dst] = k[row, :, src]
+            buf_v[at, :, dst] = v[row, :, src]
         self.kv.lengths[slots] += counts
 
     def _outputs(self, graph: str, rows: int, first: int = 0) -> dict[str, np.ndarray]:
@@ -190,3 +198,7 @@ class DrafterRunner:
             feed_base_logits=info.lm_head_in_backbone, state_size=info.head_state_size,
             temperatures=list(temperatures), generators=list(generators),
         )
+
+
+def _contiguous(view: Array) -> Array:
+    return view.contiguous() if isinstance(view, torch.Tensor) else np.ascontiguousarray(view)

@@ -7,11 +7,11 @@ runtime cannot tell it from an exported engine except by speed — which makes i
 the ONNX Runtime (and later TensorRT) backends are tested against.
 
 `device="cuda"` runs the modules on a GPU (moved there at `open()`) and keeps the target's keys and
-values there: `kv_device` tells the engine to hold its target slot cache as device tensors, the
-target graphs take them as they are and their new keys/values stay on the device, so the cache
-never crosses the bus. The target's logits stay there too (a prefill brings back its last
-positions only; a tree's greedy rows are accepted on the device). Every other output (features, the
-drafter's outputs and its small cache) comes back to the host, where the scheduler reads it.
+values there: `kv_device` tells the engine to hold its slot caches (the target's and the drafter's)
+as device tensors, the graphs take them as they are and their new keys/values stay on the device,
+so no cache crosses the bus. The target's logits stay there too (a prefill brings back its last
+positions only; a tree's greedy rows are accepted on the device). Every other output (features,
+the drafter's block outputs) comes back to the host, where the scheduler reads it.
 Recurring feed layouts replay as CUDA graphs (`cuda_graphs.py`; `cuda_graphs=False` runs eagerly):
 with the cache on the device, the static-cache target graph has one layout per (requests, tokens),
 which is why a device-resident engine verifies through it by default.
@@ -33,9 +33,11 @@ from .backend import Array, Backend, BackendUnavailable, as_torch
 from .cuda_graphs import GraphCache
 
 DEFAULT_PLACEMENT = C.Placement(lm_head_in_backbone=True)
-# on a device, the outputs that stay there: the target graphs' new keys/values (into the slot cache) and
-# logits (the runner brings back the rows it needs; tree verification takes their argmax on the device)
-_DEVICE_OUTPUTS = {C.TARGET: ("present.", "logits"), C.TARGET_STATIC: ("new.", "logits")}
+# on a device, the outputs that stay there: the target graphs' and the drafter backbone's new keys/values
+# (into the slot caches) and the target's logits (the runner brings back the rows it needs; tree
+# verification takes their argmax on the device)
+_DEVICE_OUTPUTS = {C.TARGET: ("present.", "logits"), C.TARGET_STATIC: ("new.", "logits"),
+                   C.BACKBONE: ("present_context.",)}
 _CACHE_INPUTS = ("cache.", "past_key_values.")  # slot-cache rows: a captured graph reads them where they are
 
 

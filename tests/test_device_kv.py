@@ -1,7 +1,8 @@
 """The target's slot cache as device tensors (what `TorchBackend(device="cuda")` asks for through
 `kv_device`), run here on the CPU: a wrapper names torch's CPU device, so the engine holds the cache
-as torch tensors and takes every tensor path a GPU run takes (commits, tree-path gathers, row moves,
-swaps to the host tier). Outputs must equal the host-buffer engine's, greedy and sampled."""
+as torch tensors (the target's and the drafter's) and takes every tensor path a GPU run takes
+(commits, tree-path gathers, the drafter's gathers of rows drafting apart, row moves, swaps to the
+host tier). Outputs must equal the host-buffer engine's, greedy and sampled."""
 
 from __future__ import annotations
 
@@ -65,7 +66,7 @@ def test_greedy_with_tensor_kv_equals_the_target(pair, kv_mode, method):
     expected, _ = _generate(backend, info, SchedulerConfig("off"), kv_mode)
     got, engine = _generate(TensorKV(backend), info, SCHEDULERS[method], kv_mode)
     assert isinstance(engine.target_kv.keys[0], torch.Tensor)
-    assert isinstance(engine.drafter_kv.keys[0], np.ndarray)  # the drafter's small cache stays on the host
+    assert isinstance(engine.drafter_kv.keys[0], torch.Tensor)  # the drafter's cache too
     assert max(n for s in engine.stats.steps for n in s.acceptance_lengths) > 1
     assert got == expected
 
@@ -112,3 +113,27 @@ def test_a_tensor_tree_mask_is_composed_like_the_reference():
     got = plugins.compose_full_mask(torch.from_numpy(mask), past, 8)
     assert isinstance(got, torch.Tensor)
     np.testing.assert_array_equal(got.numpy(), want)
+
+
+@pytest.mark.parametrize("case", ["skip-and-probe", "middle", "long-prompt"])
+def test_probes_and_rows_drafting_apart_over_tensor_caches(case):
+    """The drafting gate's partial steps over tensor caches: probe rows (not one contiguous range) and a
+    long prompt's row drafting apart gather and scatter the drafter's cache by index; greedy output stays
+    the target's (the golden pair of tests/test_drafting_gate.py)."""
+    from test_drafting_gate import CHEAP, DEAR, SplitCost, drafted_rows, greedy, prompts, run
+    from test_drafting_gate import pair as golden_pair
+
+    target, drafter = golden_pair()
+    cost = {"skip-and-probe": DEAR, "middle": SplitCost(4e-4, 1e-4), "long-prompt": CHEAP}[case]
+    engine = BatchEngine(TensorKV(TorchBackend(target, drafter)), ModelInfo.from_models(target, drafter),
+                         capacity=Capacity(6, 1 << 16, 1024), scheduler=SchedulerConfig("dspark"), cost_model=cost,
+                         kv_mode="concat")
+    p, new = list(prompts()), 24
+    arrivals = ({0: p[:5], 4: [p[2] * 4]} if case == "long-prompt"
+                else {0: p[:3], 2: p[3:5], 5: p[5:7], 11: p[7:10], 19: p[:2]})
+    asked = run(engine, arrivals, new)
+    finished = engine.take_finished()
+    assert isinstance(engine.drafter_kv.keys[0], torch.Tensor)
+    assert [finished[i].tokens for i in asked] == [greedy(prompt, new) for prompt in asked.values()]
+    if case != "long-prompt":
+        assert any(0 < len(drafted_rows(s)) < s.requests for s in engine.stats.steps)  # probes happened

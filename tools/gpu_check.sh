@@ -17,7 +17,8 @@
 #    with the target's KV cache kept on the host (--host-kv): what replay and the resident cache save
 #
 # Ran on a lent H200 on 2026-12-04 (figures: README, docs/gpu-trees.md). Exit status: the number of failed
-# parts. GPU_BENCH_REQUESTS (default 1,16,64) and GPU_BENCH_REPEATS (default 2) size the bench.
+# parts. GPU_BENCH_REQUESTS (default 1,16,64) and GPU_BENCH_REPEATS (default 2) size the bench;
+# GPU_CHECK_BENCH=0 stops after the tests, GPU_CHECK_COMPARE=0 skips part 5.
 set -uo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 out="${OUT:-$repo/gpu-check-out}"
@@ -83,6 +84,7 @@ timeout 300 "$py" -m dspark.tools.engine_tree_bench --device cuda --target "$sta
   --drafter "$repo/models/demo/dspark" --requests "$requests" --new-tokens 24 --repeats "$repeats" \
   | tee "$out/bench.txt" || note_failure "bench"
 
+if [ "${GPU_CHECK_COMPARE:-1}" != 0 ]; then  # GPU_CHECK_COMPARE=0: no part 5
 part "5. the same bench without CUDA graphs (eager modules), R=${EAGER_REQUESTS:=1,16}; then with the target's KV cache on the host (moved both ways every call), R=${HOST_KV_REQUESTS:=16}"
 timeout 150 "$py" -m dspark.tools.engine_tree_bench --device cuda --target "$standin" --no-cuda-graphs \
   --drafter "$repo/models/demo/dspark" --requests "$EAGER_REQUESTS" --new-tokens 24 --repeats 1 \
@@ -90,6 +92,7 @@ timeout 150 "$py" -m dspark.tools.engine_tree_bench --device cuda --target "$sta
 timeout 120 "$py" -m dspark.tools.engine_tree_bench --device cuda --target "$standin" --host-kv --no-cuda-graphs \
   --drafter "$repo/models/demo/dspark" --requests "$HOST_KV_REQUESTS" --new-tokens 24 --repeats 1 \
   | tee "$out/bench_host_kv.txt" || note_failure "host-KV bench"
+fi
 fi
 
 part "done: $failed part(s) failed; log and figures in $out"
