@@ -114,6 +114,13 @@ def child_draft_probs(
     *, parents: Array, draft_tokens: Array, parent_probs: Array, process: _draft.DraftProcess
 ) -> Array:
     """Per-child draft distributions for a draft process; see plugins/tree_accept/draft_probs.py."""
+    if process == "deterministic" and isinstance(parent_probs, torch.Tensor):
+        # one-hot rows of the children's tokens, made where parent_probs is (its values are not read)
+        parents, tokens = (torch.as_tensor(a).to(parent_probs.device) for a in (parents, draft_tokens))
+        out = torch.zeros(parent_probs.shape, dtype=parent_probs.dtype, device=parent_probs.device)
+        batch, node = (parents >= 0).nonzero(as_tuple=True)  # every node with a parent: not the root, not padding
+        out[batch, node, tokens[batch, node]] = 1.0
+        return out
     out = _draft.child_draft_probs(_numpy(parents), _numpy(draft_tokens), _numpy(parent_probs), process)
     if isinstance(parent_probs, torch.Tensor):
         return torch.from_numpy(out).to(device=parent_probs.device, dtype=parent_probs.dtype)

@@ -150,7 +150,7 @@ class DrafterRunner:
         dst = self.kv.lengths[slots][row] + within
         if dst.max() >= self.kv.max_len:
             raise CapacityError(f"KV slot overflow: position {int(dst.max())} >= slot length {self.kv.max_len}")
-        at, row, dst, src = (self.kv.index(a) for a in (slots[row], row, dst, past + within))
+        at, row, dst, src = self.kv.indices(slots[row], row, dst, past + within)
         for (k, v), buf_k, buf_v in zip(present, self.kv.keys, self.kv.values, strict=True):
             buf_k[at, :, dst] = k[row, :, src]
             buf_v[at, :, dst] = v[row, :, src]

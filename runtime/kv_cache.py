@@ -61,7 +61,25 @@ class SlotCache:
 
     def index(self, positions: np.ndarray) -> Array:
         """Integer positions as an index into the buffers (a device tensor where they live on one)."""
-        return positions if self.device is None else torch.from_numpy(positions).to(self.device)
+        return self.indices(positions)[0]
+
+    def indices(self, *positions: np.ndarray) -> tuple[Array, ...]:
+        """Equal-shaped integer positions as indices into the buffers; to a device in one copy."""
+        if self.device is None:
+            return positions
+        return tuple(torch.from_numpy(np.stack(positions)).to(self.device).unbind(0))
+
+    def copy_row(self, row: int) -> list[np.ndarray]:
+        """Host copies of row `row`'s committed prefix of every buffer, [kvh, length, hd] each."""
+        n = int(self.lengths[row])
+        return [buf[row, :, :n].to("cpu", copy=True).numpy() if isinstance(buf, torch.Tensor)
+                else buf[row, :, :n].copy() for buf in self.kv]
+
+    def load_row(self, row: int, prefixes: Sequence[np.ndarray]) -> None:
+        """Row `row` holds `prefixes` (what `copy_row` gave) as its committed prefix."""
+        for buf, prefix in zip(self.kv, prefixes, strict=True):
+            buf[row, :, : prefix.shape[1]] = self.local(prefix)
+        self.lengths[row] = prefixes[0].shape[1] if prefixes else 0
 
     def local(self, value: Array) -> Array:
         """`value` (a graph's output) where the buffers live: a host array, or a tensor on their device."""
@@ -97,7 +115,7 @@ class SlotCache:
         dst = self.lengths[slots] + within
         if dst.max() >= self.max_len:
             raise CapacityError(f"KV slot overflow: position {int(dst.max())} >= slot length {self.max_len}")
-        src, rows, slots, dst = (self.index(a) for a in (source_offset + within, rows, slots, dst))
+        src, rows, slots, dst = self.indices(source_offset + within, rows, slots, dst)
         for (k, v), buf_k, buf_v in zip(present, self.keys, self.values, strict=True):
             buf_k[slots, :, dst] = self.local(k)[rows, :, src]
             buf_v[slots, :, dst] = self.local(v)[rows, :, src]

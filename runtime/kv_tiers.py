@@ -23,10 +23,9 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from .request_state import RunningRequest
 
@@ -119,8 +118,8 @@ class HostTier:
         begin = time.perf_counter()
         a = engine.active[row]
         rid = a.result.request_id
-        target = _copy_out(engine.target_kv, row)
-        drafter = _copy_out(engine.drafter_kv, row)
+        target = engine.target_kv.copy_row(row)
+        drafter = engine.drafter_kv.copy_row(row)
         need = engine.admission.reserved[rid]
         engine.admission.release(rid)
         engine.vacate(row)
@@ -131,8 +130,8 @@ class HostTier:
     def swap_in(self, engine: BatchEngine, swapped: Swapped) -> None:
         begin = time.perf_counter()
         row = len(engine.active)
-        _copy_in(engine.target_kv, row, swapped.target)
-        _copy_in(engine.drafter_kv, row, swapped.drafter)
+        engine.target_kv.load_row(row, swapped.target)
+        engine.drafter_kv.load_row(row, swapped.drafter)
         rid = swapped.request.result.request_id
         engine.admission.admit(rid, swapped.need)
         engine.active.append(swapped.request)
@@ -154,16 +153,3 @@ class HostTier:
             self.stats.swaps_out += 1
         else:
             self.stats.swaps_in += 1
-
-
-def _copy_out(cache: Any, row: int) -> list[np.ndarray]:
-    """Row `row`'s committed prefix of every buffer, copied [kvh, length, hd]."""
-    n = int(cache.lengths[row])
-    return [buf[row, :, :n].to("cpu", copy=True).numpy() if isinstance(buf, torch.Tensor) else buf[row, :, :n].copy()
-            for buf in cache.kv]
-
-
-def _copy_in(cache: Any, row: int, prefixes: list[np.ndarray]) -> None:
-    for buf, prefix in zip(cache.kv, prefixes, strict=True):
-        buf[row, :, : prefix.shape[1]] = torch.from_numpy(prefix) if isinstance(buf, torch.Tensor) else prefix
-    cache.lengths[row] = prefixes[0].shape[1] if prefixes else 0

@@ -95,7 +95,7 @@ class TreeVerifier:
         """Row r keeps its path's entries (tree columns offset + node), in path order, from its length on."""
         longest = max(len(p) for p in paths)
         cols = np.array([[offset + n for n in p] + [offset] * (longest - len(p)) for p in paths], dtype=np.int64)
-        rows, cols = self.kv.index(np.arange(len(paths))[:, None]), self.kv.index(cols)
+        rows, cols = self.kv.indices(np.broadcast_to(np.arange(len(paths))[:, None], cols.shape), cols)
         gathered = [(k[rows, :, cols].swapaxes(1, 2), v[rows, :, cols].swapaxes(1, 2))
                     for k, v in new]  # [R, kvh, longest, hd]
         self.kv.write(gathered, source_offset=0, counts=[len(p) for p in paths])
@@ -126,7 +126,7 @@ def accept(trees: list[DraftTree], parents: np.ndarray, tokens: np.ndarray, logi
         result = plugins.tree_accept_greedy(parents=parents[greedy], draft_tokens=tokens[greedy],
                                             past_lengths=np.zeros(len(greedy), np.int64),
                                             target_tokens=target_tokens, max_depth=max_depth)
-        result = TreeAcceptResult(*(as_numpy(getattr(result, f.name)) for f in fields(result)))
+        result = _on_host(result)
         for i, r in enumerate(greedy):
             paths[r] = result.accepted_path[i, : int(result.accept_length[i])].tolist()
             bonus[r] = int(result.bonus_token[i])
@@ -149,12 +149,17 @@ def accept(trees: list[DraftTree], parents: np.ndarray, tokens: np.ndarray, logi
                                               target_probs=probs, draft_probs=draft_probs,
                                               uniforms=uniforms.to(target_probs.device) if on_device
                                               else uniforms.numpy(), max_depth=max_depth)
-        result = TreeAcceptResult(*(as_numpy(getattr(result, f.name)) for f in fields(result)))
+        result = _on_host(result)
         for i, r in enumerate(sampled):
             paths[r] = result.accepted_path[i, : int(result.accept_length[i])].tolist()
             bonus[r] = int(result.bonus_token[i])
     return paths, bonus
 
+
+
+def _on_host(result: TreeAcceptResult) -> TreeAcceptResult:
+    """TreeAccept's result as host arrays (a GPU's kernels return device tensors): one copy per field."""
+    return TreeAcceptResult(*(as_numpy(getattr(result, f.name)) for f in fields(result)))
 
 class TreeStepper:
     """The engine's step with trees (`SchedulerConfig(drafting="tree")`): everything between

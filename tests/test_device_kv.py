@@ -137,3 +137,19 @@ def test_probes_and_rows_drafting_apart_over_tensor_caches(case):
     assert [finished[i].tokens for i in asked] == [greedy(prompt, new) for prompt in asked.values()]
     if case != "long-prompt":
         assert any(0 < len(drafted_rows(s)) < s.requests for s in engine.stats.steps)  # probes happened
+
+
+def test_deterministic_draft_probs_made_on_a_tensor_equal_the_reference():
+    """The sampling accept's draft rows for best-first trees, built where the probabilities live."""
+    from test_plugins_reference import random_trees
+
+    from dspark import plugins
+    from dspark.plugins.tree_accept.draft_probs import child_draft_probs
+
+    rng = np.random.default_rng(3)
+    parents, tokens = random_trees(rng, 6, 17, pad=0.2, vocab=9)
+    q = rng.dirichlet(np.ones(9), size=(6, 17)).astype(np.float32)
+    got = plugins.child_draft_probs(parents=parents, draft_tokens=tokens, parent_probs=torch.from_numpy(q),
+                                    process="deterministic")
+    assert isinstance(got, torch.Tensor) and got.dtype == torch.float32
+    np.testing.assert_array_equal(got.numpy(), child_draft_probs(parents, tokens, q, "deterministic"))
