@@ -133,6 +133,8 @@ def test_generate_json_equals_target_greedy(scheduler):
         (["--target", "{t}", "--drafter", "{d}", "--prompt-ids", "1,9999"], "outside the vocabulary"),
         (["--target", "{t}", "--drafter", "{d}", "--prompt", "hello"], "--prompt needs"),
         (["--engine", "{t}", "--prompt-ids", "1,2", "--device", "cuda"], "--device runs the PyTorch backend"),
+        (["--target", "{t}", "--drafter", "{d}", "--prompt-ids", "1,2", "--device", "foo"],
+         "expected cpu, cuda or cuda:N"),
     ],
 )
 def test_generate_refuses_bad_input(args, message):

@@ -39,6 +39,7 @@ from dspark.runtime.target_runner import kv_mode_for
 from dspark.runtime.torch_backend import TorchBackend
 
 from .errors import OneLineErrors
+from .generate_command import parse_device
 
 DEMO = Path(str(resources.files("dspark.models") / "demo"))
 METHODS = ("autoregressive", "chain", "tree", "tree-fixed")
@@ -93,7 +94,7 @@ def fit_cost(backend, info, prompts_by_r: dict[int, list[list[int]]], new_tokens
 @click.option("--new-tokens", default=48, show_default=True)
 @click.option("--repeats", default=3, show_default=True)
 @click.option("--tree-nodes", default=16, show_default=True)
-@click.option("--device", default="cpu", show_default=True, help="PyTorch device: cpu or cuda.")
+@click.option("--device", default="cpu", show_default=True, callback=parse_device, help="PyTorch device: cpu or cuda.")
 @click.option("--threads", default=0, show_default=True, help="Intra-op threads (0: leave as is).")
 @click.option("--backend", "backend_name", type=click.Choice(["torch", "ort"]), default="torch", show_default=True)
 @click.option("--host-kv", is_flag=True, help="PyTorch on a GPU: keep the target's cache on the host (every call "

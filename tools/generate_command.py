@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import click
@@ -25,6 +26,13 @@ def _parse_ids(ctx: click.Context, param: click.Parameter, text: str | None) -> 
     return ids
 
 
+def parse_device(ctx: click.Context, param: click.Parameter, text: str) -> str:
+    """--device as a PyTorch device this runtime runs on: cpu, cuda or cuda:N (refused before any model loads)."""
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", text):
+        raise click.BadParameter(f"expected cpu, cuda or cuda:N, got {text!r}")
+    return text
+
+
 @click.command("generate", cls=OneLineErrors)
 @click.option("--engine", "engine_dir", type=_DIR,
               help="Engine or dspark-export directory (ONNX Runtime). Default: the bundled demo pair, built "
@@ -44,7 +52,7 @@ def _parse_ids(ctx: click.Context, param: click.Parameter, text: str | None) -> 
               help="Confidence cut-off for --scheduler threshold.")
 @click.option("--kv-mode", type=click.Choice(["concat", "static"]),
               help="Target KV mode. Default: concat, or static with --device cuda (fixed shapes: CUDA-graph replay).")
-@click.option("--device", default="cpu", show_default=True,
+@click.option("--device", default="cpu", show_default=True, callback=parse_device,
               help="PyTorch device for --target/--drafter: cpu, or cuda (the KV cache stays on the GPU).")
 @click.option("--json", "as_json", is_flag=True, help="Print ids, rounds, acceptance and speed as JSON.")
 def generate(engine_dir, target_dir, drafter_dir, prompt, prompt_ids, max_new_tokens, temperature, seed,
