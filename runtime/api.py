@@ -90,17 +90,21 @@ class Runtime:
 
     @classmethod
     def load(cls, path: str | Path, options: RuntimeOptions | None = None, *,
-             threads: int = 1, cost_model: StepCost | None = None) -> Runtime:
+             threads: int | None = None, cost_model: StepCost | None = None) -> Runtime:
         """An engine directory, on the backend its engine.json names, with its measured SPS table and
         STS temperatures; or a plain export directory on ONNX Runtime (the cost model is profiled at
-        start-up). `threads` is ORT's intra-op thread count for export directories (1 measured
-        fastest on a shared 2-core CPU, where spinning worker threads fight other processes); an
-        engine uses the count its table was measured with."""
+        start-up). `threads` is ORT's intra-op thread count (0: every core). An export directory
+        defaults to 1, an engine to the count its table was measured with; another count for an ORT
+        engine keeps that table as the starting point, which the live cost model corrects from timed
+        steps (`RuntimeOptions.live_cost`)."""
         path = Path(path)
         if not is_engine_dir(path):
-            backend = OrtBackend(path, intra_op_threads=threads)
+            backend = OrtBackend(path, intra_op_threads=1 if threads is None else threads)
             return cls(backend, ModelInfo.from_manifest(backend.manifest), options, cost_model, text_dirs=(path,))
         engine = load_engine_dir(path)
+        if threads is not None and threads != engine.intra_op_threads and engine.backend != "onnxruntime":
+            raise ValueError(f"threads={threads}: an intra-op thread count applies to ONNX Runtime engines; "
+                             f"{path} runs on {engine.backend}")
         options = options or RuntimeOptions()
         if options.kv_mode is None:
             options = replace(options, kv_mode=engine.kv_mode)
@@ -110,7 +114,9 @@ class Runtime:
             scheduler = replace(options.scheduler, confidence_temperatures=engine.confidence_temperatures)
             options = replace(options, scheduler=scheduler)
         info = ModelInfo.from_manifest(read_manifest(engine.contract_dir, verify="none"))
-        return cls(open_backend(engine), info, options, cost_model, text_dirs=(path, Path(engine.contract_dir)))
+        backend = (open_backend(engine) if threads is None or threads == engine.intra_op_threads
+                   else OrtBackend.for_engine(engine, threads).open())
+        return cls(backend, info, options, cost_model, text_dirs=(path, Path(engine.contract_dir)))
 
     @classmethod
     def from_checkpoints(cls, target_dir: str | Path, drafter_dir: str | Path,

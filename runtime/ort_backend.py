@@ -66,11 +66,12 @@ class OrtBackend(Backend):
         self._sessions: dict[str, ort.InferenceSession] = {}
 
     @classmethod
-    def for_engine(cls, engine: EngineDir) -> OrtBackend:
+    def for_engine(cls, engine: EngineDir, threads: int | None = None) -> OrtBackend:
+        """The engine's sessions, with its intra-op thread count unless `threads` replaces it."""
         session = engine.manifest.get("session", {})
         return cls(engine.contract_dir, providers=session.get("providers"),
-                   intra_op_threads=engine.intra_op_threads, intra_op_spinning=engine.intra_op_spinning,
-                   of_engine=True)
+                   intra_op_threads=engine.intra_op_threads if threads is None else threads,
+                   intra_op_spinning=engine.intra_op_spinning, of_engine=True)
 
     @property
     def specs(self) -> dict[str, C.GraphSpec]:

@@ -157,3 +157,24 @@ def test_tensorrt_engine_serves_through_the_tensorrt_runner(tmp_path, export_dir
         assert isinstance(runtime.backend, TrtBackend)
         tokens = runtime.generate(sample["prompt_ids"], max_new_tokens=32)[0].tokens
     assert tokens == sample["generated_ids"][:32]
+
+
+def test_a_thread_count_given_at_load_replaces_an_ort_engines_own(tmp_path, export_dir, fake_tensorrt):
+    from dspark.engines.build import BuildOptions, build_engine
+    from dspark.runtime.ort_backend import OrtBackend
+
+    engine = tmp_path / "ort-engine"
+    build_engine(export_dir, engine, BuildOptions(max_batch=2, max_batch_tokens=8, max_seq_len=64, repeats=1,
+                                                  threads=1))
+    counts = {}
+    for threads in (None, 1, 2):
+        with Runtime.load(engine, threads=threads) as runtime:
+            assert isinstance(runtime.backend, OrtBackend) and runtime.backend.is_open
+            counts[threads] = runtime.backend.options.intra_op_num_threads
+            tokens = runtime.generate([67, 24, 319], max_new_tokens=8)[0].tokens
+            assert tokens == counts.setdefault("tokens", tokens)  # the same tokens at any count
+    assert (counts[None], counts[1], counts[2]) == (1, 1, 2)
+    trt = tensorrt_engine(tmp_path / "trt-engine", export_dir)
+    with pytest.raises(ValueError, match="thread count applies to ONNX Runtime engines; .* runs on tensorrt"):
+        Runtime.load(trt, threads=2)
+    assert not fake_tensorrt  # refused before any backend opened

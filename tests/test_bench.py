@@ -149,6 +149,8 @@ def test_unavailable_peer_is_reported_not_raised(monkeypatch, tmp_path: Path) ->
     monkeypatch.setitem(sys.modules, "onnxruntime_genai", None)  # import fails
     with pytest.raises(peers.PeerUnavailable, match=r"skipped: pip install"):
         peers.genai_systems(tmp_path, tmp_path, stop=0, threads=1)
+    with pytest.raises(peers.PeerUnavailable, match=r"skipped: pip install"):
+        peers.genai_int4_greedy(tmp_path, tmp_path, threads=1)
 
     def missing(prompt: list[int], max_new_tokens: int) -> Timeline:
         raise peers.PeerUnavailable("skipped: pip install something")

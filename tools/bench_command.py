@@ -128,11 +128,11 @@ def run_bench(out: Path, sizes: Sizes, *, engine: Path | None, target: Path | No
     load_before = os.getloadavg()
     cache = out / "cache"
     tqdm.write("dspark bench: preparing the runtime (export, cost-model profiling)")
-    chosen = subjects.resolve(engine, target, drafter, dflash, cache)
+    chosen = subjects.resolve(engine, target, drafter, dflash, cache, threads)
     standin = None
     if standin_params is not None:
         tqdm.write(f"dspark bench: the COST STAND-IN target ({standin_params}): inflate, export, build (once)")
-        standin = subjects.resolve_standin(chosen, standin_params, cache)
+        standin = subjects.resolve_standin(chosen, standin_params, cache, threads=threads)
     runtime = single_stream.load_runtime(chosen.runtime_dir, threads=threads)
     info = runtime.info
     stop = subjects.stop_token(info.eos_token_ids, info.mask_token_id)

@@ -45,13 +45,14 @@ def checkpoint_key(*folders: Path) -> str:
     return digest.hexdigest()[:16]
 
 
-def cached_engine(target_dir: Path, drafter_dir: Path, root: Path, show_progress: bool = True) -> Path:
-    """root/engine: the pair exported to root/export and built (ONNX Runtime, measured SPS table)
-    unless root already holds a completed build."""
+def cached_engine(target_dir: Path, drafter_dir: Path, root: Path, show_progress: bool = True,
+                  threads: int = 1) -> Path:
+    """root/engine: the pair exported to root/export and built (ONNX Runtime at `threads` intra-op
+    threads, measured SPS table) unless root already holds a completed build."""
     engine = root / "engine"
     if (root / COMPLETE).is_file():
         return engine
-    from dspark.engines.build import build_engine
+    from dspark.engines.build import BuildOptions, build_engine
     from dspark.export.pipeline import export_pair
 
     def say(message: str) -> None:
@@ -62,7 +63,7 @@ def cached_engine(target_dir: Path, drafter_dir: Path, root: Path, show_progress
     root.mkdir(parents=True)
     say(f"dspark: exporting and building an engine in {root} (once) ...")
     export_pair(target_dir, drafter_dir, root / "export", check=False, show_progress=show_progress)
-    build_engine(root / "export", engine, progress=lambda message: say(f"  {message}"))
+    build_engine(root / "export", engine, BuildOptions(threads=threads), progress=lambda message: say(f"  {message}"))
     (root / COMPLETE).write_text("ok\n")
     return engine
 

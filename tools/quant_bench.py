@@ -64,9 +64,10 @@ def _run(runtime, prompts: list[list[int]], max_new_tokens: int) -> tuple[float,
 
 
 def measure(engines: dict[str, Path], prompts: list[list[int]], *, max_new_tokens: int, repeats: int,
-            progress) -> dict[str, Any]:
+            progress, peer=None) -> dict[str, Any]:
     """Interleaved rounds over every engine x {autoregressive, dspark}: tok/s, τ, and lossless checks.
-    One engine is open at a time (each round loads it again: memory stays at one engine's graphs)."""
+    One engine is open at a time (each round loads it again: memory stays at one engine's graphs).
+    `peer` (a bench System, e.g. onnxruntime-genai's int4 greedy) runs in every round too."""
     from dspark.runtime.api import Runtime, RuntimeOptions
     from dspark.runtime.prefix_scheduler import SchedulerConfig
 
@@ -99,6 +100,11 @@ def measure(engines: dict[str, Path], prompts: list[list[int]], *, max_new_token
                     outputs[(scheme, mode)] = texts
                 for mode in ("off", "fixed"):
                     modes[mode].monitor.close()  # the backend is the dspark runtime's, closed with it
+        if peer is not None:
+            timelines = [peer.generate(prompt, max_new_tokens) for prompt in prompts]
+            rates.setdefault(("peer", "greedy"), []).append(
+                sum(len(t.tokens) for t in timelines) / sum(t.seconds for t in timelines))
+            outputs[("peer", "greedy")] = [t.tokens for t in timelines]
         progress(f"round {round_index + 1}/{repeats} done")
     baseline = statistics.median(rates[("float32", "off")])
     rows = []
@@ -110,6 +116,14 @@ def measure(engines: dict[str, Path], prompts: list[list[int]], *, max_new_token
                      "x_float32_autoregressive": statistics.median(r) / baseline,
                      "tau": statistics.median(taus[(scheme, mode)]),
                      "lossless_vs_own_autoregressive": outputs[(scheme, mode)] == outputs[(scheme, "off")]})
+    if peer is not None:
+        r, int4_greedy = rates[("peer", "greedy")], outputs.get(("int4", "off"))
+        rows.append({"engine": "peer", "decoding": peer.name, "version": peer.version,
+                     "tok_s_median": statistics.median(r), "tok_s_min": min(r), "tok_s_max": max(r),
+                     "x_float32_autoregressive": statistics.median(r) / baseline, "tau": 1.0,
+                     # its kernels are not ours: how many prompts it decodes exactly as our int4 engine does
+                     "same_as_dspark_int4": None if int4_greedy is None else
+                     sum(a == b for a, b in zip(outputs[("peer", "greedy")], int4_greedy, strict=True))})
     return {"rows": rows, "repeats": repeats, "prompts": len(prompts), "max_new_tokens": max_new_tokens}
 
 
@@ -123,7 +137,10 @@ def measure(engines: dict[str, Path], prompts: list[list[int]], *, max_new_token
 @click.option("--max-new-tokens", default=64, show_default=True, type=click.IntRange(min=1))
 @click.option("--repeats", default=3, show_default=True, type=click.IntRange(min=1))
 @click.option("--threads", default=1, show_default=True, type=click.IntRange(min=0))
-def main(target, drafter, out, count, prompt_len, max_new_tokens, repeats, threads) -> None:
+@click.option("--genai/--no-genai", default=True, show_default=True,
+              help="Also time onnxruntime-genai's int4 model of the target (its model builder; skipped with the "
+              "reason when onnxruntime-genai is not installed).")
+def main(target, drafter, out, count, prompt_len, max_new_tokens, repeats, threads, genai) -> None:
     """tok/s and τ of float32/int8/int4 engines, autoregressive and DSpark, interleaved."""
     from dspark.models import TargetConfig
     from dspark.tools.bench.subjects import demo_folders, load_prompts
@@ -144,7 +161,17 @@ def main(target, drafter, out, count, prompt_len, max_new_tokens, repeats, threa
     prompts, source = load_prompts(None, tokenizer if tokenizer.is_file() else None, count=count,
                                    length=prompt_len, vocab_size=TargetConfig.from_folder(target).vocab_size,
                                    avoid=())
-    results = measure(engines, prompts, max_new_tokens=max_new_tokens, repeats=repeats, progress=progress)
+    peer = None
+    if genai:
+        from dspark.tools.bench.peers import PeerUnavailable, genai_int4_greedy
+
+        try:
+            progress("onnxruntime-genai's int4 model of the target (its model builder, once)")
+            peer = genai_int4_greedy(target, out, threads=threads)
+        except PeerUnavailable as exc:
+            progress(f"onnxruntime-genai int4 greedy {exc}")
+    results = measure(engines, prompts, max_new_tokens=max_new_tokens, repeats=repeats, progress=progress,
+                      peer=peer)
     results.update(target=str(target), drafter=str(drafter), prompt_source=source,
                    engine_bytes={s: sum(g["bytes"] for g in json.loads((e / "engine.json").read_text())["graphs"]
                                         .values()) for s, e in engines.items()})
@@ -152,9 +179,13 @@ def main(target, drafter, out, count, prompt_len, max_new_tokens, repeats, threa
     click.echo(f"{'engine':<8} {'decoding':<20} {'tok/s (median [min, max])':>28} {'x fp32 AR':>9} {'tau':>5} "
                "lossless")
     for row in results["rows"]:
+        check = row.get("lossless_vs_own_autoregressive")
+        if check is None:
+            same = row["same_as_dspark_int4"]
+            check = "" if same is None else f"(same tokens as int4 AR: {same}/{len(prompts)} prompts)"
         click.echo(f"{row['engine']:<8} {row['decoding']:<20} {row['tok_s_median']:10.1f} "
                    f"[{row['tok_s_min']:6.1f}, {row['tok_s_max']:6.1f}]   {row['x_float32_autoregressive']:8.2f}x "
-                   f"{row['tau']:5.2f} {row['lossless_vs_own_autoregressive']}")
+                   f"{row['tau']:5.2f} {check}")
     click.echo(f"wrote {out / 'quant_bench.json'} ({results['repeats']} interleaved rounds, {len(prompts)} prompts "
                f"from {source}, {max_new_tokens} new tokens each)")
 

@@ -158,7 +158,9 @@ def tier_run(runtime, slots: int, host_tokens: int, requests: int, new_tokens: i
 @click.option("--sections", default="snapshot,recovery,tiers", show_default=True, help="Which figures to measure.")
 @click.option("--repeats", default=3, show_default=True, type=click.IntRange(min=1),
               help="Recovery runs per request count (min and median shown).")
-def main(engine_dir, requests, context, generated, steps, tier_slots, sections, repeats) -> None:
+@click.option("--threads", type=click.IntRange(min=0), help="ONNX Runtime intra-op threads (0: every core; "
+              "default: the engine's own count).")
+def main(engine_dir, requests, context, generated, steps, tier_slots, sections, repeats, threads) -> None:
     """Print snapshot cost per step and recovery time to the next token."""
     from dspark.runtime.api import Runtime, RuntimeOptions
 
@@ -170,9 +172,11 @@ def main(engine_dir, requests, context, generated, steps, tier_slots, sections, 
     t0 = time.perf_counter()
     length = max(context + generated + 96, 64 + 8 * steps + 96)
     options = RuntimeOptions(max_requests=max(64, *counts), max_seq_len=length, live_cost=False)
-    with Runtime.load(engine_dir, options) as runtime:
+    with Runtime.load(engine_dir, options, threads=threads) as runtime:
         load_s = time.perf_counter() - t0
-        click.echo(f"engine {engine_dir}: loaded in {load_s * 1e3:.0f} ms (a restarted server pays this first)")
+        session = getattr(runtime.backend, "options", None)  # ORT SessionOptions
+        click.echo(f"engine {engine_dir}: loaded in {load_s * 1e3:.0f} ms (a restarted server pays this first)"
+                   + ("" if session is None else f"; {session.intra_op_num_threads} intra-op thread(s)"))
         if "snapshot" in sections:
             _snapshots(runtime, steps)
         if "recovery" in sections:

@@ -52,9 +52,11 @@ _LOOPBACK = ("127.0.0.1", "localhost", "::1")
                                     "default: start a local one.")
 @click.option("--cpus-per-replica", default=1.0, show_default=True, type=click.FloatRange(min=0),
               help="With --replicas: Ray CPUs each engine replica reserves.")
+@click.option("--threads", type=click.IntRange(min=0), help="ONNX Runtime intra-op threads (0: every core; "
+              "default: the engine's own count, the one its SPS table was measured with).")
 def serve(engine_dir, host, port, api_key, max_queue, max_tokens_per_request, max_requests, max_seq_len,
           max_body_bytes, model_name, scheduler, log_level, replicas, routing, ray_address, cpus_per_replica,
-          journal_dir, journal_fsync, host_kv_tokens) -> None:
+          journal_dir, journal_fsync, host_kv_tokens, threads) -> None:
     """Serve /v1/completions and /v1/chat/completions (OpenAI protocol), /metrics and /dashboard."""
     try:
         import uvicorn  # noqa: F401 - fail now, with the fix, not after loading the engine
@@ -85,7 +87,8 @@ def serve(engine_dir, host, port, api_key, max_queue, max_tokens_per_request, ma
         config = ServerConfig(model_name=model_name, api_key=api_key, max_body_bytes=max_body_bytes,
                               max_tokens_per_request=max_tokens_per_request)
         try:
-            serve_replicas(EngineSpec(engine_dir=str(Path(engine_dir).resolve()), options=options), replicas=replicas,
+            serve_replicas(EngineSpec(engine_dir=str(Path(engine_dir).resolve()), options=options, threads=threads),
+                           replicas=replicas,
                            policy=routing, config=config, host=host, port=port, max_queue=max_queue,
                            cpus_per_replica=cpus_per_replica, address=ray_address,
                            announce=lambda line: click.echo(f"dspark serve: model '{model_name}': {line}", err=True))
@@ -96,6 +99,10 @@ def serve(engine_dir, host, port, api_key, max_queue, max_tokens_per_request, ma
 
     config = ServerConfig(model_name=model_name, api_key=api_key, max_body_bytes=max_body_bytes,
                           max_tokens_per_request=max_tokens_per_request)
-    with Runtime.load(engine_dir, options) as runtime:
+    try:
+        runtime = Runtime.load(engine_dir, options, threads=threads)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+    with runtime:
         serve_runtime(runtime, config, host=host, port=port, max_queue=max_queue, log_level=log_level,
                       journal_dir=journal_dir, journal_fsync=journal_fsync, source=engine_dir)

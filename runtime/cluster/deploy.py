@@ -149,7 +149,8 @@ def build_app(spec: EngineSpec, *, replicas: int = 2, policy: str = "weighted", 
 def app_builder(args: dict[str, str]) -> Application:
     """`serve run dspark.runtime.cluster.deploy:app_builder engine=DIR [replicas=2] [routing=weighted]
     [model_name=NAME] [max_requests=64] [max_seq_len=1024] [max_queue=1024] [scheduler=dspark]
-    [max_tokens_per_request=512] [cpus_per_replica=1] [threads=1] [api_key=KEY]`."""
+    [max_tokens_per_request=512] [cpus_per_replica=1] [threads=N] [api_key=KEY]`
+    (threads: ORT's intra-op count per replica; the engine's own by default)."""
     known = {"engine", "replicas", "routing", "model_name", "max_requests", "max_seq_len", "max_queue", "scheduler",
              "max_tokens_per_request", "cpus_per_replica", "threads", "api_key"}
     unknown = sorted(set(args) - known)
@@ -160,7 +161,8 @@ def app_builder(args: dict[str, str]) -> Application:
     options = RuntimeOptions(scheduler=SchedulerConfig(args.get("scheduler", "dspark")),
                              max_requests=int(args.get("max_requests", 64)),
                              max_seq_len=int(args.get("max_seq_len", 1024)))
-    spec = EngineSpec(engine_dir=args["engine"], options=options, threads=int(args.get("threads", 1)))
+    threads = int(args["threads"]) if "threads" in args else None
+    spec = EngineSpec(engine_dir=args["engine"], options=options, threads=threads)
     config = ServerConfig(model_name=args.get("model_name") or Path(args["engine"]).resolve().name,
                           api_key=args.get("api_key"),
                           max_tokens_per_request=int(args.get("max_tokens_per_request", 512)))

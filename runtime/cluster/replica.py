@@ -42,7 +42,8 @@ class EngineSpec:
     drafter_dir: str | None = None
     options: RuntimeOptions = field(default_factory=RuntimeOptions)
     cost_model: StepCost | None = None
-    threads: int = 1  # intra-op threads per replica (ORT's, and torch's for checkpoints)
+    threads: int | None = None  # intra-op threads per replica (ORT's, torch's for checkpoints); None: the
+    # engine's own count (the one its SPS table was measured with), 1 for exports and checkpoints
 
     def __post_init__(self) -> None:
         if (self.engine_dir is None) == (self.target_dir is None or self.drafter_dir is None):
@@ -53,7 +54,7 @@ class EngineSpec:
             return Runtime.load(self.engine_dir, self.options, threads=self.threads, cost_model=self.cost_model)
         import torch
 
-        torch.set_num_threads(self.threads)
+        torch.set_num_threads(self.threads or 1)
         return Runtime.from_checkpoints(self.target_dir, self.drafter_dir, self.options, cost_model=self.cost_model)
 
 

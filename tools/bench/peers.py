@@ -94,13 +94,14 @@ def transformers_systems(target_dir: Path, *, stop: int, threads: int, lookup_to
     ]
 
 
-def build_genai_model(target_dir: Path, cache: Path, *, stop: int, threads: int) -> Path:
-    """The model builder's fp32 CPU export of the target, cached; genai_config.json patched."""
-    out = cache / f"ortgenai-{checkpoint_key(target_dir)}"
+def build_genai_model(target_dir: Path, cache: Path, *, stop: int, threads: int, precision: str = "fp32") -> Path:
+    """The model builder's CPU export of the target (fp32, or int4: its MatMulNBits model), cached;
+    genai_config.json patched."""
+    out = cache / f"ortgenai-{checkpoint_key(target_dir)}{'' if precision == 'fp32' else f'-{precision}'}"
     config_path = out / "genai_config.json"
     if not config_path.is_file():
         command = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-m", str(target_dir),
-                   "-o", str(out), "-p", "fp32", "-e", "cpu", "-c", str(cache / "ortgenai-builder-cache")]
+                   "-o", str(out), "-p", precision, "-e", "cpu", "-c", str(cache / "ortgenai-builder-cache")]
         done = subprocess.run(command, capture_output=True, text=True)
         if done.returncode != 0 or not config_path.is_file():
             tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
@@ -152,6 +153,21 @@ def genai_systems(target_dir: Path, cache: Path, *, stop: int, threads: int, ngr
 
     return [System("onnxruntime-genai greedy", version, runner(None)),
             System(f"onnxruntime-genai n-gram (n={ngram_size}, k={draft_tokens})", version, ngram)]
+
+
+def genai_int4_greedy(target_dir: Path, cache: Path, *, threads: int) -> System:
+    """onnxruntime-genai greedy on its model builder's int4 model of the target (MatMulNBits at its CPU
+    default, int8 activations), never stopping early: a peer for the quantized engines."""
+    try:
+        import onnxruntime_genai as og
+    except ImportError as exc:
+        raise PeerUnavailable(f"skipped: {INSTALL_HINT} (onnxruntime-genai: {exc})") from exc
+    model = og.Model(str(build_genai_model(target_dir, cache, stop=-1, threads=threads, precision="int4")))
+
+    def generate(prompt: list[int], max_new_tokens: int) -> Timeline:
+        return _genai_greedy(og, model, prompt, max_new_tokens)[0]
+
+    return System("onnxruntime-genai int4 greedy", f"onnxruntime-genai {og.__version__}", generate)
 
 
 DRAFT_STATS = ("rounds", "draft_tokens_proposed", "draft_tokens_accepted", "tokens_emitted", "target_forward_passes",

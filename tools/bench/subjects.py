@@ -61,13 +61,13 @@ def demo_folders() -> tuple[Path, Path, Path | None]:
     return target, dspark, dflash if (dflash / "config.json").is_file() else None
 
 
-def cached_engine_dir(target_dir: Path, drafter_dir: Path, cache: Path) -> Path:
-    """An ONNX Runtime engine of the pair under cache/ (built once): the runtime then schedules with
-    the engine's measured SPS table instead of a start-up profile."""
+def cached_engine_dir(target_dir: Path, drafter_dir: Path, cache: Path, threads: int = 1) -> Path:
+    """An ONNX Runtime engine of the pair under cache/ (built once per intra-op thread count): the
+    runtime then schedules with the engine's SPS table, measured at the count it runs with."""
     from dspark.tools.demo_engine import cached_engine, checkpoint_key
 
-    root = cache / f"engine-{checkpoint_key(target_dir, drafter_dir)}"
-    return cached_engine(target_dir, drafter_dir, root, show_progress=False)
+    root = cache / f"engine-{checkpoint_key(target_dir, drafter_dir)}{'' if threads == 1 else f'-t{threads}'}"
+    return cached_engine(target_dir, drafter_dir, root, show_progress=False, threads=threads)
 
 
 def target_label(chosen: Subjects) -> str:
@@ -133,27 +133,29 @@ def standin_checkpoint(chosen: Subjects, params_text: str, *, progress: bool = T
     return out
 
 
-def resolve_standin(chosen: Subjects, params_text: str, cache: Path, *, progress: bool = True) -> Standin:
+def resolve_standin(chosen: Subjects, params_text: str, cache: Path, *, progress: bool = True,
+                    threads: int = 1) -> Standin:
     """The stand-in checkpoint (made if needed) and its cached engine with the pair's drafter."""
     from dspark.models.inflate import read_standin, standin_label
 
     checkpoint = standin_checkpoint(chosen, params_text, progress=progress)
-    runtime_dir = cached_engine_dir(checkpoint, chosen.dspark_dir, cache)
+    runtime_dir = cached_engine_dir(checkpoint, chosen.dspark_dir, cache, threads)
     record = {**read_standin(checkpoint), "label": standin_label(checkpoint), "checkpoint_dir": str(checkpoint),
               "runtime_dir": str(runtime_dir), "drafter_dir": str(chosen.dspark_dir)}
     return Standin(checkpoint, runtime_dir, standin_label_short(checkpoint), record)
 
 
 def resolve(engine: Path | None, target: Path | None, drafter: Path | None, dflash: Path | None,
-            cache: Path) -> Subjects:
+            cache: Path, threads: int = 1) -> Subjects:
     if (target is None) != (drafter is None):
         raise BenchSetupError("give --target and --drafter together")
     if engine is not None:
         return Subjects(engine, target, drafter, dflash, "engine")
     if target is not None:
-        return Subjects(cached_engine_dir(target, drafter, cache), target, drafter, dflash, "checkpoints")
+        return Subjects(cached_engine_dir(target, drafter, cache, threads), target, drafter, dflash, "checkpoints")
     target, drafter, demo_dflash = demo_folders()
-    return Subjects(cached_engine_dir(target, drafter, cache), target, drafter, dflash or demo_dflash, "demo")
+    return Subjects(cached_engine_dir(target, drafter, cache, threads), target, drafter, dflash or demo_dflash,
+                    "demo")
 
 
 def without_markov(drafter: DSparkDrafter) -> DSparkDrafter:
