@@ -236,7 +236,10 @@ class BatchEngine:
         accepted = self._reconcile(batch, out, block, temperatures, generators)
         _phase(seconds, "commit", begin)
         if plan is not None:
-            self.gate.record(plan, confidence)
+            drafts = batch.tokens - rows  # drafts verified this step (0: anchors only)
+            verified = (decision.expected_accepts - rows, sum(accepted) - rows) \
+                if drafts and decision.expected_accepts is not None else None
+            self.gate.record(plan, confidence, verified)
         load = self.monitor.sample() if self.monitor else None
         record = StepRecord(
             step=self._step, requests=rows, admitted_new=len(new), lengths=list(decision.lengths),

@@ -46,6 +46,17 @@ over `catch_up_steps` steps; the live cost model observes drafting normalised to
 of all R rows (`observed`), so neither a catch-up nor a probe of a few rows skews what it learns
 of the drafter's speed.
 
+Realised acceptance. The pool's survivals are what the confidence head predicts, and on text unlike its
+training data it can promise more than the target accepts. So the gate also keeps, over recent steps
+that verified drafts, the drafts Algorithm 1 expected to be accepted and those that were (both decayed
+by `ACCEPTANCE_DECAY` a step), and scales every survival of its path by their ratio, shrunk toward 1 by
+`PRIOR_DRAFTS` pseudo-drafts (one unlucky step moves it little, ten consistent ones a lot). Only
+downward: confidences that promise less than is accepted cost some drafting, never a loss to plain
+decoding (scaled up, a 4x slower drafter's lucky probes started runs of drafting that lost). Within
+`ACCEPTANCE_DEADBAND` of 1 the confidences are taken as they are: near a tie between drafting and
+not, a few percent of sampling noise would otherwise flip the decision (and a declined step waits
+`probe_every` steps for the next probe).
+
 Lossless: which rows draft depends only on committed history (backlogs, earlier steps'
 confidences and timings), never on this step's draft tokens; a row that does not draft verifies
 its anchor, a row that does goes through Algorithm 1 as ever, and each step's verification is
@@ -64,6 +75,11 @@ import torch
 from .drafter_runner import CONTEXT_ROW_COST
 from .prefix_scheduler import survival
 from .stats import StepRecord
+
+ACCEPTANCE_DECAY = 0.9  # per step that verified drafts: the realised/expected ratio follows ~10 such steps
+PRIOR_DRAFTS = 16.0  # pseudo-drafts accepted as expected, added to both sums of the ratio
+ACCEPTANCE_DEADBAND = 0.1  # a ratio this close to 1 is taken as 1
+DECLINE_STEPS = 8  # steps a "drafting does not pay" is reused while what it rests on has not moved
 
 
 @runtime_checkable
@@ -109,55 +125,90 @@ class DraftingGate:
         self.prior = prior_acceptance ** np.arange(1, block_size + 1)  # [γ] survival of the prior row
         self.pool: deque[np.ndarray] = deque(maxlen=pool_rows)  # [γ] survival rows of recent drafted rows
         self.skipped = 0  # steps since rows last drafted
-        self.pool_version = 0  # bumped whenever the pool changes (a snapshot re-encodes it only then)
+        self.expected_drafts = 0.0  # decayed Σ drafts Algorithm 1 expected accepted, steps that verified drafts
+        self.accepted_drafts = 0.0  # decayed Σ drafts accepted in those steps
+        self.pool_version = 0  # bumped whenever the pool or those sums change (a snapshot re-encodes them then)
         # the pool's survivals > 0, descending, and its mean survival per depth [γ]; None: to build
         self._candidates: tuple[np.ndarray, np.ndarray] | None = None
+        # the last "does not pay": (requests, pool_version, Σ excess backlog, normal draft seconds); steps reused
+        self._declined: tuple[int, int, int, float] | None = None
+        self._declined_steps = 0
 
     # -- the decision ---------------------------------------------------------------------------
     def plan(self, backlogs: np.ndarray) -> GatePlan:  # backlogs [R] context rows each row has not fed
         """The rows that draft this step (module docstring)."""
         requests = len(backlogs)
-        normal = float(self.cost.draft_seconds(requests))
         every = np.arange(requests)
-        excess = self._excess(backlogs)
-        amortised = normal * (1.0 + CONTEXT_ROW_COST * excess.sum() / (requests * self.catch_up_steps))
-        if self.drafting_pays(requests, amortised):
-            return GatePlan(requests, every, self._price(backlogs), normal)
+        excess = int(self._excess(backlogs).sum())
+        if not self._still_declined(requests, excess):
+            normal = float(self.cost.draft_seconds(requests))
+            amortised = normal * (1.0 + CONTEXT_ROW_COST * excess / (requests * self.catch_up_steps))
+            if self.drafting_pays(requests, amortised):
+                self._declined = None
+                return GatePlan(requests, every, self._price(backlogs), normal)
+            self._declined, self._declined_steps = (requests, self.pool_version, excess, normal), 0
+        normal = self._declined[3]
         if self.pool and self.skipped < self.probe_every:
             return GatePlan(requests, every[:0], 0.0, normal)
         rows = every if requests <= self.probe_rows else np.sort(
             np.argsort(backlogs, kind="stable")[: self.probe_rows])
         return GatePlan(requests, rows, self._price(backlogs[rows]), normal)
 
+    def _still_declined(self, requests: int, excess: int) -> bool:
+        """Whether the last "drafting does not pay" stands without pricing the step again (that pricing was
+        most of a one-request step's scheduling time): the same rows, pool and realised acceptance, backlogs
+        only grown (drafting only got dearer), for up to `DECLINE_STEPS` steps (a live cost model moves)."""
+        declined = self._declined
+        if (declined is None or declined[0] != requests or declined[1] != self.pool_version or excess < declined[2]
+                or self._declined_steps >= DECLINE_STEPS):
+            return False
+        self._declined_steps += 1
+        return True
+
     def drafting_pays(self, requests: int, draft_seconds: float) -> bool:
         """Θ_draft > Θ_plain at R rows, drafting costing `draft_seconds`."""
         drafting, plain = self.throughputs(requests, draft_seconds)
         return drafting > plain
 
+    @property
+    def acceptance_scale(self) -> float:
+        """Realised ÷ expected accepted drafts over recent steps, shrunk toward 1; 1.0 before any, above
+        1 - the deadband, and never more."""
+        ratio = (self.accepted_drafts + PRIOR_DRAFTS) / (self.expected_drafts + PRIOR_DRAFTS)
+        return 1.0 if ratio >= 1.0 - ACCEPTANCE_DEADBAND else ratio
+
     def throughputs(self, requests: int, draft_seconds: float) -> tuple[float, float]:
         """(Θ_draft, Θ_plain) in tokens/s: Algorithm 1 over R rows like the pool's, up to its first drop."""
-        tau, tokens = self._path(requests)
+        tau, tokens = self._path(requests, self.acceptance_scale)
         theta = tau / (draft_seconds + np.asarray(self.cost.verify_seconds(requests, tokens), dtype=np.float64))
         drops = np.flatnonzero(theta[1:] <= theta[:-1])
         best = float(theta[drops[0]] if drops.size else theta[-1])
         return best, requests / float(self.cost.verify_seconds(requests, requests))
 
-    def _path(self, requests: int) -> tuple[np.ndarray, np.ndarray]:
-        """Algorithm 1's admission path over R rows like the pool's: expected accepts τ [n] and
-        verified tokens B [n], from no draft on. Packed: candidates by descending survival, each
-        pool candidate standing for R / P; padded (`padded`): depth by depth, B = R·(1 + depth)."""
+    def _path(self, requests: int, scale: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
+        """Algorithm 1's admission path over R rows like the pool's, survivals times `scale`: expected
+        accepts τ [n] and verified tokens B [n], from no draft on. Packed: candidates by descending
+        survival, each pool candidate standing for R / P; padded (`padded`): depth by depth, B = R·(1 + depth)."""
         if self._candidates is None:
             pool = np.stack(self.pool) if self.pool else self.prior[None, :]  # [P, γ]
             a = pool[pool > 0]
             self._candidates = (-np.sort(-a), pool.mean(axis=0))
         ranked, depths = self._candidates
+        if scale != 1.0:  # a scale < 1 keeps the order (and the padded path's nonzero depths)
+            ranked, depths = ranked * scale, depths * scale
         if self.padded:
             depths = depths[: int(np.count_nonzero(depths > 0))]
             tau = requests * (1.0 + np.concatenate(([0.0], np.cumsum(depths))))
             return tau, requests * (1 + np.arange(depths.size + 1))
         per = requests / (len(self.pool) or 1)  # candidates of R rows per pool candidate
-        tau = requests + per * np.concatenate(([0.0], np.cumsum(ranked)))
-        return tau, requests + np.rint(per * np.arange(ranked.size + 1)).astype(np.int64)
+        cumulative = np.concatenate(([0.0], np.cumsum(ranked)))
+        if per >= 1.0:
+            return requests + per * cumulative, requests + np.rint(per * np.arange(ranked.size + 1)).astype(np.int64)
+        # fewer rows than the pool: a verified token stands for 1/per pool candidates, so the path goes by
+        # whole tokens (stepping by pool candidates, B would stall between tokens while τ rose, and the
+        # first drop of Θ would come at the first token, wherever the optimum is)
+        at = np.rint(np.arange(int(ranked.size * per) + 1) / per).astype(np.int64)
+        return requests + per * cumulative[at], requests + np.arange(at.size, dtype=np.int64)
 
     def _excess(self, backlogs: np.ndarray) -> np.ndarray:
         """Context rows beyond what a normal drafting step feeds (γ + 1 a row)."""
@@ -169,8 +220,14 @@ class DraftingGate:
         return float(self.cost.draft_seconds(rows)) * (1.0 + CONTEXT_ROW_COST * self._excess(backlogs).sum() / rows)
 
     # -- after the step --------------------------------------------------------------------------
-    def record(self, plan: GatePlan, confidence_logits: torch.Tensor | np.ndarray | None) -> None:
-        """confidence_logits [R, γ] of the step (rows that did not draft: anything, unread)."""
+    def record(self, plan: GatePlan, confidence_logits: torch.Tensor | np.ndarray | None,
+               verified: tuple[float, int] | None = None) -> None:
+        """confidence_logits [R, γ] of the step (rows that did not draft: anything, unread); `verified`:
+        (drafts Algorithm 1 expected accepted, drafts accepted) when the step verified drafts."""
+        if verified is not None and verified[0] > 0:
+            self.expected_drafts = self.expected_drafts * ACCEPTANCE_DECAY + verified[0]
+            self.accepted_drafts = self.accepted_drafts * ACCEPTANCE_DECAY + verified[1]
+            self.pool_version += 1
         if not len(plan.rows):
             self.skipped += 1
             return

@@ -15,7 +15,7 @@ from conftest import golden_path, load_json
 from dspark.models import load_pair
 from dspark.runtime.batch_loop import BatchEngine
 from dspark.runtime.drafter_runner import CONTEXT_ROW_COST, split_calls
-from dspark.runtime.drafting_gate import DraftingGate, GatePlan
+from dspark.runtime.drafting_gate import DECLINE_STEPS, DraftingGate, GatePlan
 from dspark.runtime.kv_cache import Capacity
 from dspark.runtime.model_info import ModelInfo
 from dspark.runtime.prefix_scheduler import SchedulerConfig, prefix_schedule, survival
@@ -83,6 +83,64 @@ def test_first_step_decides_from_the_table_and_the_prior():
         gate = DraftingGate(cost, block_size=GAMMA)
         gate.record(gate.plan(backlogs), confident(16, logit))
         assert (gate.plan(backlogs).all if then == "all" else not len(gate.plan(backlogs).rows))
+
+
+def test_drafts_accepted_far_below_what_the_confidences_promised_stop_the_drafting():
+    # verify(16, B) = 1 ms + 0.03 ms·B, draft(16) = 1.6 ms: confident rows (σ(5) = 0.993 a slot) pay
+    cost, backlogs = SplitCost(draft_per_request=1e-4, per_token=3e-5), np.full(16, 8)
+
+    def gate_after(accepted_share: float, steps: int = 10) -> DraftingGate:
+        gate = DraftingGate(cost, block_size=GAMMA)
+        for _ in range(steps):
+            plan = GatePlan(16, np.arange(16), 1.0, 1.0)
+            gate.record(plan, confident(16, 5.0), (80.0, round(80 * accepted_share)))
+        return gate
+
+    assert gate_after(1.0).plan(backlogs).all and gate_after(1.0).acceptance_scale == 1.0
+    assert gate_after(0.95).acceptance_scale == 1.0  # within the deadband: taken as promised
+    assert gate_after(1.4).acceptance_scale == 1.0  # never scaled up
+    low = gate_after(0.2)
+    assert low.acceptance_scale < 0.3 and not len(low.plan(backlogs).rows)  # plain decoding
+    one = DraftingGate(cost, block_size=GAMMA)  # one unlucky step is shrunk toward what was promised
+    one.record(GatePlan(16, np.arange(16), 1.0, 1.0), confident(16), (1.0, 0))
+    assert one.acceptance_scale == 1.0  # 16 / 17: within the deadband
+    one.record(GatePlan(16, np.arange(16), 1.0, 1.0), confident(16), (4.0, 0))
+    assert one.acceptance_scale == pytest.approx(16 / (16 + 4 + 0.9))
+
+
+def test_the_gate_prices_a_pool_of_alike_rows_the_same_whatever_its_size():
+    # fewer rows than pool rows: the path goes by whole verified tokens (it used to stall between them)
+    cost = SplitCost(draft_per_request=1e-4, per_token=3e-5)
+    gate, seen = DraftingGate(cost, block_size=GAMMA), []
+    for _ in range(4):
+        gate.record(GatePlan(16, np.arange(16), 1.0, 1.0), confident(16, 5.0))
+        seen.append([gate.throughputs(requests, cost.draft_seconds(requests))[0] for requests in (4, 16)])
+    assert np.allclose(seen, seen[0], rtol=1e-9) and len(gate.pool) == 64
+
+
+def test_a_declined_step_is_not_priced_again_until_something_it_rests_on_moved():
+    calls = []
+
+    class Counting(SplitCost):
+        def draft_seconds(self, requests: int) -> float:
+            calls.append(requests)
+            return super().draft_seconds(requests)
+
+    gate = DraftingGate(Counting(draft_per_request=1.0, per_token=1e-4), block_size=GAMMA)
+    backlogs = np.full(8, 8)
+    gate.record(gate.plan(backlogs), confident(8))  # the first step probes (and prices)
+    calls.clear()
+    for step in range(1, 2 + DECLINE_STEPS):  # backlogs grow while nobody drafts: drafting only gets dearer
+        plan = gate.plan(backlogs + step)
+        assert not len(plan.rows)
+        gate.record(plan, None)
+    assert len(calls) == 1  # priced once (the probe moved the pool), then reused for DECLINE_STEPS steps ...
+    gate.plan(backlogs + 10)
+    assert len(calls) == 2  # ... then priced again
+    gate.plan(backlogs[:5] + 10)
+    assert len(calls) == 3  # other rows: priced again at once
+    gate.plan(backlogs[:5])
+    assert len(calls) == 4  # smaller backlogs (drafting cheaper than when declined): priced again
 
 
 @pytest.mark.parametrize("padded", [False, True], ids=["packed", "padded"])

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import struct
 
+import numpy as np
 import pytest
 from test_serving_support import tiny_pair, tiny_runtime
 
 from dspark.runtime.api import Runtime, RuntimeOptions
+from dspark.runtime.drafting_gate import GatePlan
 from dspark.runtime.prefix_scheduler import SchedulerConfig
 from dspark.runtime.recovery.engine_state import EngineStateWriter, engine_state, restore_engine_state
 from dspark.runtime.recovery.framing import HEADER_SIZE, frame, scan
@@ -237,6 +239,12 @@ def test_engine_state_writer_sends_the_state_only_when_it_changed(runtime):
     assert writer(engine) not in (None, first)
     engine.gate.pool.append(engine.gate.prior)
     engine.gate.pool_version += 1
+    engine.gate.record(GatePlan(1, np.arange(1), 1.0, 1.0), None, (5.0, 2))  # realised acceptance moved
     changed = writer(engine)
-    assert changed is not None and restore_engine_state(runtime.engine(), changed) is None
+    fresh = runtime.engine()
+    assert changed is not None and restore_engine_state(fresh, changed) is None
+    assert (fresh.gate.expected_drafts, fresh.gate.accepted_drafts) == (5.0, 2.0)
     assert writer(engine) is None
+    older = runtime.engine()  # a state written before the sums existed: they start at zero
+    assert restore_engine_state(older, changed[:-16]) is None and older.gate.expected_drafts == 0.0
+    assert len(older.gate.pool) == len(engine.gate.pool)

@@ -118,7 +118,7 @@ def measure(engines: dict[str, Path], prompts: list[list[int]], *, max_new_token
                      "lossless_vs_own_autoregressive": outputs[(scheme, mode)] == outputs[(scheme, "off")]})
     if peer is not None:
         r, int4_greedy = rates[("peer", "greedy")], outputs.get(("int4", "off"))
-        rows.append({"engine": "peer", "decoding": peer.name, "version": peer.version,
+        rows.append({"engine": "peer", "decoding": peer.name, "runtime": peer.runtime,
                      "tok_s_median": statistics.median(r), "tok_s_min": min(r), "tok_s_max": max(r),
                      "x_float32_autoregressive": statistics.median(r) / baseline, "tau": 1.0,
                      # its kernels are not ours: how many prompts it decodes exactly as our int4 engine does

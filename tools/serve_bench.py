@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import json
 import math
+import shlex
 import socket
 import statistics
 import subprocess
@@ -235,9 +236,10 @@ CLIENTS = {"raw": run_raw, "httpx": run_httpx}
 
 
 @contextlib.contextmanager
-def running_server(engine_dir: str, max_requests: int, max_seq_len: int,
-                   max_tokens: int) -> Iterator[tuple[str, psutil.Process]]:
-    """`dspark serve` in a subprocess on a free loopback port; yields its URL and process; stopped at exit."""
+def running_server(engine_dir: str, max_requests: int, max_seq_len: int, max_tokens: int,
+                   extra: Sequence[str] = ()) -> Iterator[tuple[str, psutil.Process]]:
+    """`dspark serve` (with `extra` arguments) in a subprocess on a free loopback port; yields its URL and
+    process; stopped at exit."""
     import httpx
 
     with socket.socket() as sock:
@@ -245,7 +247,7 @@ def running_server(engine_dir: str, max_requests: int, max_seq_len: int,
         port = sock.getsockname()[1]
     args = ["serve", "--engine", engine_dir, "--port", str(port), "--max-requests", str(max_requests),
             "--max-seq-len", str(max_seq_len), "--max-queue", "4096", "--max-tokens-per-request", str(max_tokens),
-            "--log-level", "warning"]
+            "--log-level", "warning", *extra]
     url = f"http://127.0.0.1:{port}"
     with tempfile.TemporaryFile() as log:  # not a pipe: a full pipe would stall the server
         server = subprocess.Popen([sys.executable, "-c", "from dspark.tools.cli import main; main()", *args],
@@ -325,7 +327,9 @@ def summarise(repeats: list[list[Phase]]) -> list[Phase]:
 @click.option("--client", "http_clients", default="raw", show_default=True,
               help="HTTP clients to run, comma-separated: raw (asyncio, keep-alive), httpx.")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=str), help="Also write the rows here.")
-def main(engine_dir, clients, min_requests, max_tokens, repeats, http_clients, json_out) -> None:
+@click.option("--serve-args", default="", help="More `dspark serve` options for the http system, e.g. "
+              "'--replicas 1' (the engine in a Ray replica process, the HTTP front end in the server's).")
+def main(engine_dir, clients, min_requests, max_tokens, repeats, http_clients, json_out, serve_args) -> None:
     """Server overhead: TTFT and tok/s through HTTP vs the engine driven directly."""
     import torch
 
@@ -344,7 +348,7 @@ def main(engine_dir, clients, min_requests, max_tokens, repeats, http_clients, j
     counts = [int(c) for c in clients.split(",") if c.strip()]
     slots, seq_len = max(counts), 256
     phases: list[Phase] = []
-    with running_server(engine_dir, slots, seq_len, max_tokens) as (url, server), \
+    with running_server(engine_dir, slots, seq_len, max_tokens, shlex.split(serve_args)) as (url, server), \
             Runtime.load(engine_dir, RuntimeOptions(max_requests=slots, max_seq_len=seq_len)) as runtime:
         prompts = [runtime.encode(p) for p in PROMPTS]
         stop = runtime.info.eos_token_ids
@@ -367,7 +371,8 @@ def main(engine_dir, clients, min_requests, max_tokens, repeats, http_clients, j
                 click.echo(f"{count} clients: " + ", ".join(f"{p.system} {p.tokens_per_second:.0f} tok/s"
                                                              for p, _ in done), err=True)
             phases += summarise(rounds)
-    click.echo(f"engine {engine_dir}; greedy, {max_tokens} new tokens, closed-loop clients, {repeats} repeat(s)\n")
+    click.echo(f"engine {engine_dir}; greedy, {max_tokens} new tokens, closed-loop clients, {repeats} repeat(s)"
+               + (f"; dspark serve {serve_args}" if serve_args else "") + "\n")
     click.echo(table(phases))
     if json_out:
         Path(json_out).write_text(json.dumps([{**p.row(), "ttft_seconds": p.ttft} for p in phases], indent=1))

@@ -1,5 +1,6 @@
 """The engine's own scheduling state that a request's draws depend on, saved beside the snapshots: the
-drafting gate's pool of recent survival rows and its count of steps without drafting. Restored with the
+drafting gate's pool of recent survival rows, its count of steps without drafting, and its sums of expected
+and accepted drafts (after the pool; a state written before they existed restores them as zero). Restored with the
 requests' backlogs (`RunningRequest.fed`), the resumed engine's gate plans the steps the dead one would
 have, so a seeded sampled request takes the same draws. (A live cost model learns from timings and the
 async scheduler keeps confidences of earlier steps: neither is saved; with either, sampled requests are
@@ -14,6 +15,7 @@ import numpy as np
 from ..batch_loop import BatchEngine
 
 _HEAD = struct.Struct("<4sIII")  # dtype code, skipped, rows, width
+_SUMS = struct.Struct("<dd")  # the gate's expected_drafts, accepted_drafts
 _DTYPE_CODES = {"<f4": b"f4\0\0", "<f8": b"f8\0\0"}
 
 
@@ -36,7 +38,8 @@ class EngineStateWriter:
             return None
         self._skipped = gate.skipped
         code, rows, width, data = self._pool
-        return _HEAD.pack(code, gate.skipped, rows, width) + data
+        return _HEAD.pack(code, gate.skipped, rows, width) + data + _SUMS.pack(gate.expected_drafts,
+                                                                               gate.accepted_drafts)
 
 
 def engine_state(engine: BatchEngine) -> bytes | None:
@@ -60,9 +63,11 @@ def restore_engine_state(engine: BatchEngine, state: bytes | None) -> str | None
         return None
     code, skipped, rows, width = _HEAD.unpack_from(state) if len(state) >= _HEAD.size else (b"", 0, 0, 0)
     dtype = next((d for d, c in _DTYPE_CODES.items() if c == code), None)
-    if dtype is None or width != engine.info.block_size or len(state) != _HEAD.size + rows * width * int(dtype[-1]):
+    end = _HEAD.size + rows * width * int(dtype[-1]) if dtype is not None else -1
+    if dtype is None or width != engine.info.block_size or len(state) not in (end, end + _SUMS.size):
         return "the journal's drafting-gate state does not fit this engine (another model?); the gate starts afresh"
     pool = np.frombuffer(state, dtype, rows * width, _HEAD.size).reshape(rows, width)
+    gate.expected_drafts, gate.accepted_drafts = _SUMS.unpack_from(state, end) if len(state) > end else (0.0, 0.0)
     gate.pool.clear()
     gate.pool.extend(row.copy() for row in pool)
     gate.skipped, gate._candidates = skipped, None

@@ -162,10 +162,20 @@ def genai_int4_greedy(target_dir: Path, cache: Path, *, threads: int) -> System:
         import onnxruntime_genai as og
     except ImportError as exc:
         raise PeerUnavailable(f"skipped: {INSTALL_HINT} (onnxruntime-genai: {exc})") from exc
-    model = og.Model(str(build_genai_model(target_dir, cache, stop=-1, threads=threads, precision="int4")))
+    eos = json.loads((target_dir / "config.json").read_text(encoding="utf-8")).get("eos_token_id") or 0
+    eos = eos[0] if isinstance(eos, list) else eos
+    model = og.Model(str(build_genai_model(target_dir, cache, stop=eos, threads=threads, precision="int4")))
 
     def generate(prompt: list[int], max_new_tokens: int) -> Timeline:
-        return _genai_greedy(og, model, prompt, max_new_tokens)[0]
+        params = og.GeneratorParams(model)
+        length = len(prompt) + max_new_tokens  # min_length: eos does not end it early (as the engines run)
+        params.set_search_options(do_sample=False, max_length=length, min_length=length)
+        timeline, generator = Timeline(), og.Generator(model, params)
+        generator.append_tokens(np.array([prompt], dtype=np.int32))
+        while not generator.is_done():
+            generator.generate_next_token()
+            timeline.deliver([int(generator.get_next_tokens()[0])])
+        return timeline
 
     return System("onnxruntime-genai int4 greedy", f"onnxruntime-genai {og.__version__}", generate)
 
