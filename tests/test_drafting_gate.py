@@ -15,7 +15,7 @@ from conftest import golden_path, load_json
 from dspark.models import load_pair
 from dspark.runtime.batch_loop import BatchEngine
 from dspark.runtime.drafter_runner import CONTEXT_ROW_COST, split_calls
-from dspark.runtime.drafting_gate import DECLINE_STEPS, DraftingGate, GatePlan
+from dspark.runtime.drafting_gate import DECLINE_STEPS, MAX_ACCEPTANCE_SCALE, DraftingGate, GatePlan
 from dspark.runtime.kv_cache import Capacity
 from dspark.runtime.model_info import ModelInfo
 from dspark.runtime.prefix_scheduler import SchedulerConfig, prefix_schedule, survival
@@ -98,7 +98,8 @@ def test_drafts_accepted_far_below_what_the_confidences_promised_stop_the_drafti
 
     assert gate_after(1.0).plan(backlogs).all and gate_after(1.0).acceptance_scale == 1.0
     assert gate_after(0.95).acceptance_scale == 1.0  # within the deadband: taken as promised
-    assert gate_after(1.4).acceptance_scale == 1.0  # never scaled up
+    assert gate_after(1.4).acceptance_scale == pytest.approx(1.388, abs=1e-3)  # more accepted than promised
+    assert gate_after(3.0).acceptance_scale == MAX_ACCEPTANCE_SCALE
     low = gate_after(0.2)
     assert low.acceptance_scale < 0.3 and not len(low.plan(backlogs).rows)  # plain decoding
     one = DraftingGate(cost, block_size=GAMMA)  # one unlucky step is shrunk toward what was promised
@@ -106,6 +107,30 @@ def test_drafts_accepted_far_below_what_the_confidences_promised_stop_the_drafti
     assert one.acceptance_scale == 1.0  # 16 / 17: within the deadband
     one.record(GatePlan(16, np.arange(16), 1.0, 1.0), confident(16), (4.0, 0))
     assert one.acceptance_scale == pytest.approx(16 / (16 + 4 + 0.9))
+
+
+def test_more_accepted_than_promised_keeps_drafting_going_but_never_starts_it():
+    # σ(1) = 0.73 a slot, 1.4x of it accepted: at 16 rows (draft 1.6 ms, verify 1 ms + 0.03 ms·B) drafting
+    # pays only with the survivals scaled up (Θ_draft/Θ_plain 0.87 as promised, 1.09 as accepted)
+    cost, backlogs = SplitCost(draft_per_request=1e-4, per_token=3e-5), np.full(16, 8)
+
+    def under_confident(gate: DraftingGate) -> DraftingGate:
+        for _ in range(10):
+            gate.record(GatePlan(16, np.arange(16), 1.0, 1.0), confident(16, 1.0), (80.0, 112))
+        return gate
+
+    running = DraftingGate(cost, block_size=GAMMA, prior_acceptance=0.9)
+    assert running.plan(backlogs).all  # drafting from the first step
+    under_confident(running)
+    assert all(running.plan(backlogs).all for _ in range(20))  # the realised acceptance keeps it going
+    declined = DraftingGate(cost, block_size=GAMMA)
+    assert declined.plan(backlogs).probe
+    under_confident(declined)
+    assert not declined.plan(backlogs).all  # scaled up from a declined state it would start: it does not
+    promised = under_confident(DraftingGate(cost, block_size=GAMMA, prior_acceptance=0.9))
+    promised.accepted_drafts = promised.expected_drafts
+    promised.plan(backlogs)
+    assert not promised.plan(backlogs).all  # as promised, drafting does not pay
 
 
 def test_the_gate_prices_a_pool_of_alike_rows_the_same_whatever_its_size():
