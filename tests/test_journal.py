@@ -13,7 +13,13 @@ from test_serving_support import tiny_pair, tiny_runtime
 from dspark.runtime.api import Runtime, RuntimeOptions
 from dspark.runtime.drafting_gate import GatePlan
 from dspark.runtime.prefix_scheduler import SchedulerConfig
-from dspark.runtime.recovery.engine_state import EngineStateWriter, engine_state, restore_engine_state
+from dspark.runtime.recovery.engine_state import (
+    EngineStateWriter,
+    engine_state,
+    is_short_state,
+    merge_engine_state,
+    restore_engine_state,
+)
 from dspark.runtime.recovery.framing import HEADER_SIZE, frame, scan
 from dspark.runtime.recovery.journal import JournalError, JournalStore
 from dspark.runtime.recovery.recorder import StepRecorder
@@ -233,10 +239,18 @@ def test_engine_state_writer_sends_the_state_only_when_it_changed(runtime):
     if engine.gate is None:
         pytest.skip("this engine has no drafting gate")
     writer = EngineStateWriter()
+    engine.gate.pool.append(engine.gate.prior)
     first = writer(engine)
     assert first is not None and writer(engine) is None  # unchanged: the store keeps the last one
     engine.gate.skipped += 1
-    assert writer(engine) not in (None, first)
+    short = writer(engine)  # only the skipped count moved: a short state, merged into the last whole one
+    assert is_short_state(short) and len(short) < len(first) and not is_short_state(first)
+    assert merge_engine_state(first, short) == engine_state(engine)
+    table = MemoryStore().table
+    for state in (first, short):
+        table.step(0, [], [], state)
+    assert table.engine_state == engine_state(engine)
+    assert "does not fit" in restore_engine_state(runtime.engine(), short)  # alone it restores nothing
     engine.gate.pool.append(engine.gate.prior)
     engine.gate.pool_version += 1
     engine.gate.record(GatePlan(1, np.arange(1), 1.0, 1.0), None, (5.0, 2))  # realised acceptance moved
@@ -248,3 +262,26 @@ def test_engine_state_writer_sends_the_state_only_when_it_changed(runtime):
     older = runtime.engine()  # a state written before the sums existed: they start at zero
     assert restore_engine_state(older, changed[:-16]) is None and older.gate.expected_drafts == 0.0
     assert len(older.gate.pool) == len(engine.gate.pool)
+
+
+def test_packed_rows_write_the_frames_progress_does(tmp_path):
+    """`stepped_rows` (a recorder's one-pass hot path) and `stepped` leave the same journal behind."""
+    rows_journal = JournalStore(tmp_path / "rows")
+    with pytest.raises(JournalError, match="follow"):
+        rows_journal.stepped_rows(0, 0, [], [], [])
+    expected = _write(tmp_path / "progress")
+    rows_journal.recover()
+    rows_journal.follow(lambda: [])
+    for i in range(3):
+        rows_journal.submitted(_spec(i, temperature=0.0 if i == 2 else 1.0))
+    for step in range(6):
+        rows, values = [], []
+        for i in range(3):
+            rows += (rows_journal.journal_id(f"req-{i}"), 2 * step, 2, 1, step + i)
+            values += [step, i, 2, 3]
+        finished = [Finished("req-1", list(range(2 * step + 2)), "stop", [2], [3])] if step == 4 else []
+        rows_journal.stepped_rows(step, 3, rows, values, finished)
+    rows_journal.close()
+    got = JournalStore(tmp_path / "rows")
+    assert got.recover() == expected.recover()
+    got.close()

@@ -139,6 +139,26 @@ class JournalStore:
                 engine_state: bytes | None = None) -> None:
         self._append(self._encode_step(step, progress, finished, engine_state))
         self.table.step(step, progress if self._live is None else (), finished, engine_state)
+        self._stepped(step, finished)
+
+    def journal_id(self, key: str) -> int:
+        """The journal's integer id of a submitted request (what `stepped_rows` takes)."""
+        return self._ids[key]
+
+    def stepped_rows(self, step: int, count: int, rows: list[int], values: list[int], finished: Sequence[Finished],
+                     engine_state: bytes | None = None) -> None:
+        """`stepped` with the running rows already packed, for a recorder that the journal follows
+        (`follow`; the table then keeps no running tokens, so no `Progress` is needed): `count` rows of
+        `rows` (journal id, first token index, new tokens, new rounds, backlog each) and `values` (each
+        row's new tokens, acceptance lengths, proposal lengths in turn). The recorder's hot path builds
+        these in its one pass over the running rows, the journal does not walk them again."""
+        if self._live is None:
+            raise JournalError("stepped_rows needs a recorder the journal follows (follow()); use stepped")
+        self._append(self._encode_rows(step, count, rows, values, finished, engine_state))
+        self.table.step(step, (), finished, engine_state)
+        self._stepped(step, finished)
+
+    def _stepped(self, step: int, finished: Sequence[Finished]) -> None:
         self._step = max(self._step, step)
         for f in finished:
             self._forget(f.key)
@@ -160,15 +180,20 @@ class JournalStore:
     def _encode_step(self, step: int, progress: Sequence[Progress], finished: Sequence[Finished],
                      engine_state: bytes | None = None) -> bytes:
         rows, values, ids = [], [], self._ids
-        for p in progress:  # the hot path, 64 rows a step: list += is twice as fast as array.extend
+        for p in progress:  # list += is twice as fast as array.extend
             rows += (ids[p.key], p.first, len(p.tokens), len(p.acceptance_lengths), p.backlog)
             values += p.tokens
             values += p.acceptance_lengths
             values += p.proposal_lengths
+        return self._encode_rows(step, len(progress), rows, values, finished, engine_state)
+
+    def _encode_rows(self, step: int, count: int, rows: list[int], values: list[int], finished: Sequence[Finished],
+                     engine_state: bytes | None = None) -> bytes:
+        ids = self._ids
         ended = json.dumps([[ids[f.key], f.tokens, f.reason, f.acceptance_lengths, f.proposal_lengths]
                             for f in finished], separators=(",", ":")).encode() if finished else b""
         state = engine_state or b""
-        return b"".join((_STEP, _STEP_HEAD.pack(step, len(progress), len(ended), len(state)),
+        return b"".join((_STEP, _STEP_HEAD.pack(step, count, len(ended), len(state)),
                          array("q", rows).tobytes(), array("i", values).tobytes(), ended, state))
 
     def _decode_step(self, payload: bytes) -> tuple[int, list[Progress], list[Finished], bytes | None]:

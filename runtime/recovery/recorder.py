@@ -16,19 +16,24 @@ class StepRecorder:
 
     def __init__(self, store: SnapshotStore) -> None:
         self.store = store
-        self._seen: dict[int, list] = {}  # engine id -> [key, tokens recorded, rounds recorded, its RunningRequest]
+        # engine id -> [key, tokens recorded, rounds recorded, its RunningRequest, the store's id of it]
+        self._seen: dict[int, list] = {}
         self._engine_state = EngineStateWriter()
         follow = getattr(store, "follow", None)  # a store that asks us for the running state, not keeping its own
         if follow is not None:
             follow(self.recorded)
+        # such a store may take the running rows packed (`JournalStore.stepped_rows`): no Progress per row
+        self._rows = getattr(store, "stepped_rows", None) if follow is not None else None
 
     def track(self, engine_id: int, key: str, tokens: int = 0, rounds: int = 0) -> None:
-        self._seen[engine_id] = [key, tokens, rounds, None]
+        """Record engine request `engine_id` as `key` (submitted to the store first), `tokens` and `rounds`
+        of it already recorded."""
+        self._seen[engine_id] = [key, tokens, rounds, None, None if self._rows is None else self.store.journal_id(key)]
 
     def recorded(self) -> list[Progress]:
         """Every tracked request that has stepped, as recorded so far: its whole tokens and rounds from 0."""
         out = []
-        for key, n, rounds, a in self._seen.values():
+        for key, n, rounds, a, _ in self._seen.values():
             if a is not None:
                 r = a.result
                 out.append(Progress(key, 0, r.tokens[:n], r.acceptance_lengths[:rounds], r.proposal_lengths[:rounds],
@@ -37,6 +42,9 @@ class StepRecorder:
 
     def record(self, engine: BatchEngine, done: Mapping[int, RequestResult]) -> None:
         """After a step, before any client hears of it: the running rows' deltas and the finished results."""
+        if self._rows is not None:
+            self._record_rows(engine, done)
+            return
         progress, seen_of = [], self._seen.get
         for a in engine.active:  # the hot path: 64 rows a step, run with the caches cold from the graphs
             result = a.result
@@ -54,6 +62,31 @@ class StepRecorder:
                     for rid, result in done.items() if rid in self._seen]
         if progress or finished:
             self.store.stepped(engine.steps_run, progress, finished, self._engine_state(engine) if progress else None)
+
+    def _record_rows(self, engine: BatchEngine, done: Mapping[int, RequestResult]) -> None:
+        """`record` into a store that takes the rows packed: the same deltas, in one pass."""
+        rows, values, count, seen_of = [], [], 0, self._seen.get
+        for a in engine.active:  # the hot path: 64 rows a step, run with the caches cold from the graphs
+            result = a.result
+            seen = seen_of(result.request_id)
+            if seen is None:
+                continue
+            tokens, n = result.tokens, seen[1]
+            total = len(tokens)
+            if total <= n:
+                continue
+            accepted, rounds = result.acceptance_lengths, seen[2]
+            done_rounds = len(accepted)
+            rows += (seen[4], n, total - n, done_rounds - rounds, a.pending_rows - a.fed)  # a.backlog, inline
+            values += tokens[n:]
+            values += accepted[rounds:]
+            values += result.proposal_lengths[rounds:]
+            seen[1], seen[2], seen[3] = total, done_rounds, a
+            count += 1
+        finished = [self._finished(self._seen.pop(rid)[0], result)
+                    for rid, result in done.items() if rid in self._seen]
+        if count or finished:
+            self._rows(engine.steps_run, count, rows, values, finished, self._engine_state(engine) if count else None)
 
     def failed(self, engine_id: int, result: RequestResult) -> None:
         """A request that ended outside a normal step (its step raised): recorded as finished."""

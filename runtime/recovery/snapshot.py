@@ -19,6 +19,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from .engine_state import is_short_state, merge_engine_state
+
 
 @dataclass(frozen=True)
 class RequestSpec:
@@ -99,7 +101,8 @@ class SnapshotTable:
         self.finished: OrderedDict[str, RequestSnapshot] = OrderedDict()
         self.keep_finished = keep_finished
         self.problems: list[str] = []
-        self.engine_state: bytes | None = None
+        self._whole_state: bytes | None = None  # the last whole engine state, and a short one after it
+        self._short_state: bytes | None = None
 
     def submit(self, spec: RequestSpec) -> None:
         self.finished.pop(spec.key, None)
@@ -128,8 +131,11 @@ class SnapshotTable:
     def step(self, step: int, progress: Sequence[Progress], finished: Sequence[Finished],
              engine_state: bytes | None = None) -> None:
         """One engine step's records."""
-        if engine_state is not None:
-            self.engine_state = engine_state
+        if engine_state is not None:  # merged when read: a short state comes every step a gate declines
+            if is_short_state(engine_state):
+                self._short_state = engine_state
+            else:
+                self._whole_state, self._short_state = engine_state, None
         running = self.running
         for p in progress:  # inline: 64 rows a step
             snap = running.get(p.key)
@@ -142,6 +148,13 @@ class SnapshotTable:
                 self._irregular(p)
         for f in finished:
             self.finish(step, f)
+
+    @property
+    def engine_state(self) -> bytes | None:
+        """The engine's scheduling state after the last step recorded (`engine_state`)."""
+        if self._short_state is None:
+            return self._whole_state
+        return merge_engine_state(self._whole_state, self._short_state)
 
     def recovered(self) -> Recovered:
         return Recovered(list(self.running.values()), list(self.finished.values()), list(self.problems),
