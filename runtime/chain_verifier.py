@@ -29,10 +29,13 @@ def verify_chains(
     """-> accepted drafts [R] int64 (0 .. counts - 1) and the bonus token of each row [R] int64."""
     drafts = batch.counts - 1
     greedy = target_logits.argmax(axis=-1) if greedy_ids is None else greedy_ids  # [R, W]
+    sampled = [r for r, t in enumerate(temperatures) if t > 0]
+    if batch.width == 1 and not sampled:  # anchors only, all greedy (plain decoding): the bonus is the argmax
+        return np.zeros(batch.rows, np.int64), greedy[:, 0].astype(np.int64)
     survives = (batch.ids[:, 1:] == greedy[:, :-1]) & (np.arange(batch.width - 1)[None, :] < drafts[:, None])
     accepted = np.cumprod(survives, axis=1).sum(axis=1) if batch.width > 1 else np.zeros(batch.rows, np.int64)
     bonus = greedy[np.arange(batch.rows), accepted]  # a copy: the sampling rows below overwrite theirs
-    for r in np.flatnonzero(np.asarray(temperatures) > 0):
+    for r in sampled:
         k = int(drafts[r])
         verdict = verify_chain(
             target_logits=torch.from_numpy(target_logits[r, : k + 1]),
