@@ -3,7 +3,8 @@
 For each batch size R and bucket B ≥ R the target graph runs on [R, ceil(B / R)] new tokens over
 `past` cached positions (causal mask); drafting runs the backbone on [R, γ] over `past` cached
 context rows with 1 + γ/2 new rows (a typical accepted prefix) plus the greedy head when the
-drafter has one. Each point gets `warmup` untimed calls, then `repeats` timed calls; the median
+drafter has one (the fused backbone where the engine has it: the runtime drafts with it). Each
+point gets `warmup` untimed calls, then `repeats` timed calls; the median
 is kept. The table is `CostTable` (see cost_table.py). The machine's load while profiling
 (load average, CPU count) is recorded beside it: on a shared CPU the numbers move with it.
 """
@@ -48,7 +49,7 @@ def target_sizes(graph: str, batch: int, tokens: int, past: int) -> dict[str, in
 def drafter_sizes(batch: int, block: int, past: int) -> dict[str, int]:
     context = 1 + block // 2
     return {"batch": batch, "context_tokens": context, "context_past": past,
-            "block_total": past + context + block}
+            "block_total": past + context + block, "tokens": context, "past": past, "capacity": past + context}
 
 
 def measure_table(
@@ -85,13 +86,14 @@ def measure_table(
 
 def _draft_seconds(run: RunGraph, specs: Mapping[str, C.GraphSpec], batch: int, vocab_size: int,
                    block: int, past: int, warmup: int, repeats: int) -> float:
-    backbone = random_feeds(specs[C.BACKBONE], drafter_sizes(batch, block, past), vocab_size=vocab_size)
+    graph = C.BACKBONE_FUSED if C.BACKBONE_FUSED in specs else C.BACKBONE  # what the runtime drafts with
+    backbone = random_feeds(specs[graph], drafter_sizes(batch, block, past), vocab_size=vocab_size)
     head = None
     if C.HEAD_GREEDY in specs:
         head = random_feeds(specs[C.HEAD_GREEDY], {"batch": batch}, vocab_size=vocab_size)
 
     def call() -> None:
-        run(C.BACKBONE, backbone)
+        run(graph, backbone)
         if head is not None:
             run(C.HEAD_GREEDY, head)
 

@@ -60,6 +60,15 @@ positions, and a bool mask [batch, 1, block, context_total + block] (all True = 
 False hides padded context rows) -> `block_hidden`, `base_logits` when the shared LM head runs in
 the backbone (see `Placement`), and `present_context.{i}.*` = cached ++ new context keys/values.
 
+Drafter backbone, fused (`drafter_backbone_fused.onnx`, ONNX Runtime fused ops, built by
+`fused_drafter.py`): the same outputs; the projected context keys/values go into one buffer per layer
+and kind [batch, kv_heads, capacity, head_dim], bound as both `past_context.{i}.*` and
+`present_context.{i}.*`, through GroupQueryAttention (rotary inside) at slots cached_b .. cached_b +
+context_tokens - 1: `seqlens_k[b]` (int32) = cached_b + context_tokens - 1, `total_sequence_length` (int32
+scalar) = max_b(cached_b) + context_tokens, as for the fused target. The block attends to slots 0 ..
+`context_lengths[b]` - 1 (int64: cached_b + the row's real new rows; padding rows are written but never
+seen) and to the whole block, with no mask input.
+
 Drafter heads: `drafter_head_step.onnx` runs one block slot (any sampling: the runtime samples
 from the returned corrected logits, so draft probabilities are exact) and
 `drafter_head_greedy.onnx` runs the whole block at temperature 0 in one call (argmax feeds the
@@ -79,6 +88,7 @@ TARGET_STATIC = "target_static"
 TARGET_FUSED = "target_fused"
 TARGET_FUSED_TREE = "target_fused_tree"
 BACKBONE = "drafter_backbone"
+BACKBONE_FUSED = "drafter_backbone_fused"
 HEAD_STEP = "drafter_head_step"
 HEAD_GREEDY = "drafter_head_greedy"
 # how the runtime holds the target's keys/values -> the target graph that mode drives
@@ -234,6 +244,28 @@ def backbone_spec(config: DrafterConfig, placement: Placement, dtype: str) -> Gr
             *_kv("past_context", config, "context_past", dtype),
         ),
         outputs=(*outputs, *_kv("present_context", config, "context_total", dtype)),
+    )
+
+
+def backbone_fused_spec(config: DrafterConfig, placement: Placement, dtype: str) -> GraphSpec:
+    """`drafter_backbone_fused.onnx`: the context cache is one bound buffer (`capacity` slots) per layer and kind."""
+    c = config
+    block = c.block_size
+    outputs = [TensorSpec("block_hidden", dtype, ("batch", block, c.hidden_size))]
+    if placement.lm_head_in_backbone:
+        outputs.append(TensorSpec("base_logits", dtype, ("batch", block, c.vocab_size)))
+    return GraphSpec(
+        BACKBONE_FUSED,
+        inputs=(
+            TensorSpec("block_ids", "int64", ("batch", block)),
+            TensorSpec("block_position_ids", "int64", ("batch", block)),
+            TensorSpec("context_features", dtype, ("batch", "context_tokens", c.context_feature_size)),
+            TensorSpec("seqlens_k", "int32", ("batch",)),
+            TensorSpec("total_sequence_length", "int32", ()),
+            TensorSpec("context_lengths", "int64", ("batch",)),
+            *_kv("past_context", config, "capacity", dtype),
+        ),
+        outputs=(*outputs, *_kv("present_context", config, "capacity", dtype)),
     )
 
 

@@ -62,31 +62,29 @@ from pathlib import Path
 import numpy as np
 import onnx
 import torch
-from onnx import TensorProto, helper, numpy_helper
+from onnx import TensorProto, helper
 
 from dspark.models import TargetModel
 
 from . import contract as C
-from .lower import EXTERNAL_SUFFIX, TWO_GB, ExportError
-
-MS_DOMAIN = "com.microsoft"
-HEAD_DIM_MULTIPLE = 16  # GroupQueryAttention's CPU kernel: "head_size shall be a multiple of 16"
-_ELEM = {
-    "float32": TensorProto.FLOAT,
-    "float16": TensorProto.FLOAT16,
-    "bfloat16": TensorProto.BFLOAT16,
-    "int64": TensorProto.INT64,
-    "int32": TensorProto.INT32,
-    "bool": TensorProto.BOOL,
-}
-_TORCH = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+from .lower import TWO_GB, ExportError
+from .onnx_builder import (
+    HEAD_DIM_MULTIPLE,
+    MS_DOMAIN,
+    TORCH_DTYPES,
+    GraphBuilder,
+    head_norm,
+    linear,
+    save_graph,
+    value_info,
+)
 
 
 def check_fusable(model: TargetModel, dtype: str) -> None:
     """Raise ExportError when the fused flavour cannot represent this target."""
     c = model.config
-    if dtype not in _TORCH:
-        raise ExportError(f"fused target: dtype {dtype!r} is not one of {tuple(_TORCH)}")
+    if dtype not in TORCH_DTYPES:
+        raise ExportError(f"fused target: dtype {dtype!r} is not one of {tuple(TORCH_DTYPES)}")
     if not c.uniform_attention or c.sandwich_norm or c.final_logit_softcapping is not None:
         raise ExportError(
             f"fused target: a '{c.model_type}' target (sliding-window and global layers, K = V, sandwich norms, "
@@ -98,52 +96,6 @@ def check_fusable(model: TargetModel, dtype: str) -> None:
             f"fused target: head_dim {c.head_dim} is not a multiple of {HEAD_DIM_MULTIPLE} "
             "(ONNX Runtime's GroupQueryAttention refuses it); use the plain target graph"
         )
-
-
-class _Builder:
-    """Nodes, initializers and unique names for one graph."""
-
-    def __init__(self, dtype: str) -> None:
-        self.dtype = dtype
-        self.nodes: list[onnx.NodeProto] = []
-        self.initializers: list[onnx.TensorProto] = []
-        self._names: set[str] = set()
-
-    def weight(self, name: str, tensor: torch.Tensor) -> str:
-        """A float initializer in the graph's dtype (bfloat16 goes through its raw bits)."""
-        t = tensor.detach().to(_TORCH[self.dtype]).contiguous()
-        if self.dtype == "bfloat16":
-            proto = helper.make_tensor(name, TensorProto.BFLOAT16, t.shape, t.view(torch.int16).numpy().tobytes(),
-                                       raw=True)
-        else:
-            proto = numpy_helper.from_array(t.numpy(), name)
-        return self._add(proto)
-
-    def const(self, name: str, values: list[int], dtype=np.int64) -> str:
-        return self._add(numpy_helper.from_array(np.asarray(values, dtype=dtype), name))
-
-    def _add(self, proto: onnx.TensorProto) -> str:
-        assert proto.name not in self._names, proto.name
-        self._names.add(proto.name)
-        self.initializers.append(proto)
-        return proto.name
-
-    def op(self, op_type: str, inputs: list[str], name: str, outputs: int | list[str] = 1,
-           domain: str = "", **attrs) -> list[str]:
-        """Add one node named `name`; its outputs are `name/out{k}` unless given ("" = unused)."""
-        if isinstance(outputs, int):
-            outputs = [f"{name}/out{k}" for k in range(outputs)]
-        self.nodes.append(helper.make_node(op_type, inputs, outputs, name=name, domain=domain, **attrs))
-        return outputs
-
-
-def _linear(b: _Builder, x: str, weights: list[torch.Tensor], biases: list[torch.Tensor | None], name: str) -> str:
-    """x @ concat(weights)^T (+ concat(biases)): several nn.Linear layers as one packed MatMul."""
-    w = b.weight(f"{name}.weight", torch.cat(weights, dim=0).T)
-    (y,) = b.op("MatMul", [x, w], f"{name}/MatMul")
-    if biases[0] is not None:  # `attention_bias` configs give every projection a bias
-        (y,) = b.op("Add", [y, b.weight(f"{name}.bias", torch.cat(biases))], f"{name}/Add")
-    return y
 
 
 def build_fused_target(model: TargetModel, dtype: str = "float32", *, opset: int = 17,
@@ -159,7 +111,7 @@ def build_fused_target(model: TargetModel, dtype: str = "float32", *, opset: int
     c = model.config
     spec = C.target_fused_spec(c, len(model.context_layer_ids) * c.hidden_size, dtype, tree=tree)
     nh, kvh, hd, eps = c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps
-    b = _Builder(dtype)
+    b = GraphBuilder(dtype)
     norm_attrs = {"epsilon": eps, "axis": -1, "stash_type": 1}
 
     # Rotary tables: the model's own RotaryEmbedding at positions 0..max-1, first half of each row.
@@ -183,7 +135,7 @@ def build_fused_target(model: TargetModel, dtype: str = "float32", *, opset: int
     (query_seqlens,) = b.op("Min", [totals, tokens32], "query_seqlens/Min")
     tree_inputs = ["", ""]
     if tree:  # bool mask -> additive bias (0 where visible, the dtype's lowest value where hidden)
-        hidden = b.weight("attention_bias/hidden", torch.tensor(torch.finfo(_TORCH[dtype]).min))
+        hidden = b.weight("attention_bias/hidden", torch.tensor(torch.finfo(TORCH_DTYPES[dtype]).min))
         (bias,) = b.op("Where", ["attention_mask", b.weight("attention_bias/visible", torch.tensor(0.0)), hidden],
                        "attention_bias/Where")
         tree_inputs = ["position_ids", bias]
@@ -196,12 +148,12 @@ def build_fused_target(model: TargetModel, dtype: str = "float32", *, opset: int
                     model.layers[0].input_layernorm.weight)], "layers.0/input_layernorm", **norm_attrs)
         for i, layer in enumerate(model.layers):
             p, a = f"layers.{i}", layer.self_attn
-            qkv = _linear(b, h, [a.q_proj.weight, a.k_proj.weight, a.v_proj.weight],
+            qkv = linear(b, h, [a.q_proj.weight, a.k_proj.weight, a.v_proj.weight],
                           [a.q_proj.bias, a.k_proj.bias, a.v_proj.bias], f"{p}/qkv_proj")
             if c.qk_norm:
                 q, k, v = b.op("Split", [qkv, qkv_split], f"{p}/qkv_split", outputs=3, axis=-1)
-                q = _head_norm(b, q, head_shape, q_shape, a.q_norm.weight, f"{p}/q_norm", norm_attrs)
-                k = _head_norm(b, k, head_shape, k_shape, a.k_norm.weight, f"{p}/k_norm", norm_attrs)
+                q = head_norm(b, q, head_shape, q_shape, a.q_norm.weight, f"{p}/q_norm", norm_attrs)
+                k = head_norm(b, k, head_shape, k_shape, a.k_norm.weight, f"{p}/k_norm", norm_attrs)
             else:
                 q, k, v = qkv, "", ""  # packed QKV straight into GQA
             (attn, *_) = b.op(
@@ -213,7 +165,7 @@ def build_fused_target(model: TargetModel, dtype: str = "float32", *, opset: int
                 domain=MS_DOMAIN, num_heads=nh, kv_num_heads=kvh, scale=hd**-0.5, do_rotary=1,
                 rotary_interleaved=0, local_window_size=-1,
             )
-            o = _linear(b, attn, [a.o_proj.weight], [a.o_proj.bias], f"{p}/o_proj")
+            o = linear(b, attn, [a.o_proj.weight], [a.o_proj.bias], f"{p}/o_proj")
             h2, _, _, r = b.op("SkipSimplifiedLayerNormalization",
                                [x, o, b.weight(f"{p}.post_attention_layernorm.weight",
                                                layer.post_attention_layernorm.weight)],
@@ -246,7 +198,7 @@ def build_fused_target(model: TargetModel, dtype: str = "float32", *, opset: int
     _context_features(b, [features[i] for i in model.context_layer_ids], x)
 
     graph = helper.make_graph(
-        b.nodes, spec.name, [_value_info(t) for t in spec.inputs], [_value_info(t) for t in spec.outputs],
+        b.nodes, spec.name, [value_info(t) for t in spec.inputs], [value_info(t) for t in spec.outputs],
         b.initializers,
     )
     return helper.make_model(
@@ -256,16 +208,7 @@ def build_fused_target(model: TargetModel, dtype: str = "float32", *, opset: int
     )
 
 
-def _head_norm(b: _Builder, x: str, head_shape: str, back: str, weight: torch.Tensor, name: str,
-               attrs: dict) -> str:
-    """Per-head RMSNorm: [B, T, heads*hd] -> [B, T*heads, hd] -> norm -> [B, T, heads*hd]."""
-    (y,) = b.op("Reshape", [x, head_shape], f"{name}/Reshape_in")
-    (y,) = b.op("SimplifiedLayerNormalization", [y, b.weight(f"{name}.weight", weight)], name, **attrs)
-    (y,) = b.op("Reshape", [y, back], f"{name}/Reshape_out")
-    return y
-
-
-def _context_features(b: _Builder, parts: list[str], any_hidden: str) -> None:
+def _context_features(b: GraphBuilder, parts: list[str], any_hidden: str) -> None:
     if len(parts) > 1:
         b.op("Concat", parts, "context_features/Concat", outputs=["context_features"], axis=-1)
     elif parts:
@@ -275,31 +218,9 @@ def _context_features(b: _Builder, parts: list[str], any_hidden: str) -> None:
         b.op("Slice", [any_hidden, zero, zero, axis], "context_features/Slice", outputs=["context_features"])
 
 
-def _value_info(t: C.TensorSpec) -> onnx.ValueInfoProto:
-    return helper.make_tensor_value_info(t.name, _ELEM[t.dtype], list(t.dims))
-
-
-def save_fused_target(model: onnx.ModelProto, out_dir: Path, *,
-                      external_data_threshold: int = TWO_GB) -> list[Path]:
-    """Write `<graph name>.onnx` (weights to `<graph name>.onnx.data` above the threshold); returns
-    the written files. The graph holds com.microsoft ops and the ORT-only SimplifiedLayerNormalization,
-    so onnx.checker cannot check it: loading it into ONNX Runtime is the check (`check_loads`)."""
-    path = Path(out_dir) / f"{model.graph.name}.onnx"
-    weight_bytes = sum(len(t.raw_data) if t.HasField("raw_data") else numpy_helper.to_array(t).nbytes
-                       for t in model.graph.initializer)
-    if weight_bytes > external_data_threshold:
-        data = path.with_name(path.name + EXTERNAL_SUFFIX)
-        data.unlink(missing_ok=True)  # onnx appends to an existing data file
-        onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
-                        location=data.name, size_threshold=1024)
-        return [path, data]
-    onnx.save_model(model, str(path))
-    return [path]
-
-
 def export_fused_target(model: TargetModel, out_dir: str | Path, dtype: str = "float32", *, opset: int = 17,
                         external_data_threshold: int = TWO_GB, max_positions: int | None = None,
                         tree: bool = False) -> list[Path]:
     """Build and write the fused target graph of `model` into `out_dir`; returns the written files."""
     graph = build_fused_target(model, dtype, opset=opset, max_positions=max_positions, tree=tree)
-    return save_fused_target(graph, Path(out_dir), external_data_threshold=external_data_threshold)
+    return save_graph(graph, Path(out_dir), external_data_threshold=external_data_threshold)

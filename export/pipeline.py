@@ -28,6 +28,8 @@ from . import contract as C
 from . import feeds as F
 from . import parity as P
 from .drafter_graphs import BackboneGraph, HeadGreedyGraph, HeadStepGraph
+from .fused_drafter import check_fusable_drafter, export_fused_backbone
+from .fused_drafter_parity import fused_backbone_parity
 from .fused_parity import fused_parity
 from .fused_target import check_fusable, export_fused_target
 from .lower import MAX_OPSET, MIN_OPSET, TWO_GB, ExportError, lower
@@ -102,7 +104,8 @@ def graph_jobs(
 
 
 # "plain": the traced graphs every runtime path needs (always exported). "fused": also
-# `target_fused.onnx` and `target_fused_tree.onnx` (ONNX Runtime contrib ops, see fused_target.py),
+# `target_fused.onnx`, `target_fused_tree.onnx` (ONNX Runtime contrib ops, see fused_target.py) and
+# `drafter_backbone_fused.onnx` (fused_drafter.py),
 # each kept only if it passes parity. Both by default: the ONNX Runtime runtime drives the fused
 # target where it exists; TensorRT and other runtimes use the plain graphs.
 FLAVOURS = ("plain", "fused")
@@ -148,10 +151,10 @@ def export_pair(
 ) -> dict[str, Any]:
     """Export every graph of the pair into `out_dir` and write `export.json`; returns the manifest.
 
-    `flavours` "fused" (default) adds `target_fused.onnx` and `target_fused_tree.onnx` (ONNX Runtime
-    fused ops), each kept only if the target fits it and, with `check`, it passes its parity sweep;
-    otherwise it is left out and the reason recorded under `dropped_graphs`. Each graph entry records
-    its `flavour`.
+    `flavours` "fused" (default) adds `target_fused.onnx`, `target_fused_tree.onnx` and
+    `drafter_backbone_fused.onnx` (ONNX Runtime fused ops), each kept only if its model fits it and, with
+    `check`, it passes its parity sweep; otherwise it is left out and the reason recorded under
+    `dropped_graphs`. Each graph entry records its `flavour`.
 
     Raises CheckpointError (missing/corrupt files, unsupported architecture),
     IncompatibleDrafterError (drafter not made for this target) or ExportError (bad options).
@@ -187,9 +190,8 @@ def export_pair(
             parity[job.spec.name] = _measure(job, out_dir / job.spec.file)
     dropped: dict[str, Any] = {}
     if "fused" in flavours:
-        for tree in (False, True):
-            _export_fused(target, drafter_config, dtype, opset, out_dir, external_data_threshold, check,
-                          graphs, parity, dropped, tree=tree)
+        for fused in fused_graphs(target, drafter, dtype, opset, out_dir, external_data_threshold):
+            _export_fused(fused, check, graphs, parity, dropped)
     manifest = {
         "format_version": FORMAT_VERSION,
         "dtype": dtype,
@@ -221,40 +223,61 @@ def _measure(job: GraphJob, path: Path) -> dict[str, Any]:
         return {"skipped": f"onnxruntime CPU cannot run this graph: {str(exc).splitlines()[0][:200]}"}
 
 
-def _export_fused(
-    target: TargetModel,
-    drafter_config: DrafterConfig,
-    dtype: str,
-    opset: int,
-    out_dir: Path,
-    external_data_threshold: int,
-    check: bool,
-    graphs: dict[str, Any],
-    parity: dict[str, Any],
-    dropped: dict[str, Any],
-    tree: bool = False,
-) -> None:
-    """Add `target_fused.onnx` (`target_fused_tree.onnx` with `tree`) to `graphs`/`parity`, or its
-    reason to `dropped` (files removed)."""
-    spec = C.target_fused_spec(target.config, drafter_config.context_feature_size, dtype, tree=tree)
+@dataclass(frozen=True)
+class FusedGraph:
+    """One fused-flavour graph: its spec, why it cannot be built (None: it can), how to write it, and its parity
+    against PyTorch on an ONNX Runtime session."""
+
+    spec: C.GraphSpec
+    refusal: Callable[[], None]  # raises ExportError when the model does not fit the flavour
+    write: Callable[[], list[Path]]
+    parity: Callable[[ort.InferenceSession], dict[str, Any]]
+
+
+def fused_graphs(target: TargetModel, drafter: DSparkDrafter, dtype: str, opset: int, out_dir: Path,
+                 external_data_threshold: int) -> list[FusedGraph]:
+    """`target_fused`, `target_fused_tree` and `drafter_backbone_fused` (parity against float32 models: see
+    fused_parity.TOLERANCE)."""
+    out: list[FusedGraph] = []
+    reference = target if dtype == "float32" else copy.deepcopy(target).float()
+    for tree in (False, True):
+        spec = C.target_fused_spec(target.config, drafter.config.context_feature_size, dtype, tree=tree)
+        out.append(FusedGraph(
+            spec, lambda: check_fusable(target, dtype),
+            lambda tree=tree: export_fused_target(target, out_dir, dtype, opset=opset, tree=tree,
+                                                  external_data_threshold=external_data_threshold),
+            lambda sess, spec=spec: fused_parity(sess, spec, reference, dtype)))
+    spec = C.backbone_fused_spec(drafter.config, DEFAULT_PLACEMENT, dtype)
+    drafter_reference = drafter if dtype == "float32" else copy.deepcopy(drafter).float()
+    out.append(FusedGraph(
+        spec, lambda: check_fusable_drafter(drafter, dtype),
+        lambda: export_fused_backbone(drafter, DEFAULT_PLACEMENT, out_dir, dtype, opset=opset,
+                                      max_positions=target.config.max_position_embeddings,
+                                      external_data_threshold=external_data_threshold),
+        lambda sess, spec=spec: fused_backbone_parity(sess, spec, drafter_reference, dtype)))
+    return out
+
+
+def _export_fused(graph: FusedGraph, check: bool, graphs: dict[str, Any], parity: dict[str, Any],
+                  dropped: dict[str, Any]) -> None:
+    """Add one fused graph to `graphs`/`parity`, or its reason to `dropped` (files removed)."""
+    spec = graph.spec
     try:
-        check_fusable(target, dtype)
+        graph.refusal()
     except ExportError as exc:
         dropped[spec.name] = {"reason": str(exc)}
         return
     t0 = time.perf_counter()
-    files = export_fused_target(target, out_dir, dtype, opset=opset, external_data_threshold=external_data_threshold,
-                                tree=tree)
-    entry = {**spec.to_json(), "files": file_entries(files, out_dir),
+    files = graph.write()
+    entry = {**spec.to_json(), "files": file_entries(files, files[0].parent),
              "export_seconds": round(time.perf_counter() - t0, 3), "flavour": "fused"}
     if not check:
         graphs[spec.name] = entry
         return
-    reference = target if dtype == "float32" else copy.deepcopy(target).float()  # see fused_parity.TOLERANCE
     try:
         sess = P.session(files[0])
         with torch.no_grad():
-            result = {"runtime": f"onnxruntime {ort.__version__} CPU", **fused_parity(sess, spec, reference, dtype)}
+            result = {"runtime": f"onnxruntime {ort.__version__} CPU", **graph.parity(sess)}
     except (ort.capi.onnxruntime_pybind11_state.NotImplemented, TypeError) as exc:
         # e.g. no bfloat16 GroupQueryAttention kernel on CPU: kept as the other graphs are, reported
         result = {"skipped": f"onnxruntime CPU cannot run this graph: {str(exc).splitlines()[0][:200]}"}

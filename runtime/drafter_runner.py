@@ -15,6 +15,13 @@ cheaper; both calls write into the same output buffers, so the heads still run o
 Measured on the demo pair's ORT engine (2-core CPU, min of 7): a backbone + greedy head call
 costs 0.42 ms per row at 1 context row and 0.008–0.011 ms more per row and context row
 (R = 16, 64; ctx 1 → 128), i.e. 0.02–0.03 of a row; a call's fixed cost is about 1.5–2 rows.
+
+With the fused backbone (`drafter_backbone_fused.onnx`, an ONNX Runtime export's default) and host
+caches, a call over contiguous slot rows whose new rows fit their slots binds the slot rows themselves
+as the graph's context buffers, which it appends to in place: one binding per (first slot, rows, new
+context rows, output row), made once and refilled, and no cache copied in or out. Other calls (rows
+drafting apart from a gather, a device cache, slots too full for the padded new rows) take the plain
+backbone.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from .kv_cache import CapacityError, SlotCache
 from .model_info import ModelInfo
 from .proposer import DraftBlock, propose_rows
 
+MAX_FUSED_BINDINGS = 256  # (first slot, rows, new context rows, output row) layouts kept bound at once
 CONTEXT_ROW_COST = 0.025  # one context row beyond a normal step's, as a fraction of one row's drafting
 CALL_ROWS = 2.0  # a backbone call's fixed cost, in rows of drafting
 
@@ -72,6 +80,8 @@ class DrafterRunner:
                          for graph in (C.BACKBONE, C.HEAD_GREEDY) if graph in backend.specs
                          for t in backend.specs[graph].outputs if t.dims[0] == "batch" and "present" not in t.name}
         self._greedy_heads: dict[int, tuple[BoundCall, dict[str, np.ndarray], dict[str, np.ndarray]]] = {}
+        self.fused = C.BACKBONE_FUSED in backend.specs and kv.device is None
+        self._fused_calls: dict[tuple[int, int, int, int], tuple[BoundCall, dict[str, np.ndarray]]] = {}
 
     def draft(
         self,
@@ -100,6 +110,10 @@ class DrafterRunner:
         rows, gamma, dtype = len(anchors), self.info.block_size, self.kv.dtype
         contiguous = bool(slots[-1] - slots[0] == rows - 1 and (np.diff(slots) == 1).all())
         cached = self.kv.lengths[slots]
+        width = max(int(counts.max()), 1)  # new context rows, padded: every row's are written, only its own count
+        if self.fused and contiguous and int(cached.max()) + width <= self.kv.max_len:
+            self._backbone_fused(anchors, starts, pending, counts, int(slots[0]), first, cached, width)
+            return
         past, ctx = int(cached.max()), int(counts.max())
         features = np.zeros((rows, ctx, self.info.context_feature_size), dtype)
         which = np.repeat(np.arange(rows), counts)
@@ -139,6 +153,40 @@ class DrafterRunner:
             self.kv.write(pairs, source_offset=past, counts=counts, first_row=int(slots[0]))
         else:
             self._write_slots(pairs, past, counts, slots)
+
+    def _backbone_fused(self, anchors: np.ndarray, starts: np.ndarray, pending: Sequence[Sequence[np.ndarray]],
+                        counts: np.ndarray, slot: int, first: int, cached: np.ndarray, width: int) -> None:
+        """The fused backbone over slot rows slot .. slot + k - 1 (module docstring); their new keys/values
+        land in their slots at cached .. cached + width - 1, of which the first counts[r] are counted."""
+        rows, gamma = len(anchors), self.info.block_size
+        key = (slot, rows, width, first)
+        bound = self._fused_calls.get(key)
+        if bound is None:
+            if len(self._fused_calls) >= MAX_FUSED_BINDINGS:
+                self._fused_calls.clear()
+            feeds = {"block_ids": np.full((rows, gamma), self.info.mask_token_id, np.int64),
+                     "block_position_ids": np.zeros((rows, gamma), np.int64),
+                     "context_features": np.zeros((rows, width, self.info.context_feature_size), self.kv.dtype),
+                     "seqlens_k": np.zeros(rows, np.int32), "total_sequence_length": np.zeros((), np.int32),
+                     "context_lengths": np.zeros(rows, np.int64)}
+            layers = [buf[slot : slot + rows] for buf in self.kv.kv]  # contiguous slot rows, bound in place
+            feeds.update(zip(C.kv_names("past_context", len(layers) // 2), layers, strict=True))
+            outputs = self._outputs(C.BACKBONE, rows, first)
+            outputs.update(zip(C.kv_names("present_context", len(layers) // 2), layers, strict=True))
+            bound = self._fused_calls[key] = (self.backend.bind(C.BACKBONE_FUSED, feeds, outputs), feeds)
+        call, feeds = bound
+        feeds["block_ids"][:, 0] = anchors
+        feeds["block_position_ids"][...] = starts[:, None] + np.arange(gamma)
+        features = feeds["context_features"]
+        which = np.repeat(np.arange(rows), counts)
+        within = np.arange(which.size) - np.repeat(np.cumsum(counts) - counts, counts)
+        if which.size:
+            features[which, within] = np.concatenate([c for chunks in pending for c in chunks])
+        feeds["seqlens_k"][...] = cached + width - 1
+        feeds["total_sequence_length"][...] = int(cached.max()) + width
+        feeds["context_lengths"][...] = cached + counts
+        call.run()
+        self.kv.advance(counts, slot)
 
     def _write_slots(self, present: list[tuple[Array, Array]], past: int, counts: np.ndarray,
                      slots: np.ndarray) -> None:

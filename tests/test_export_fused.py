@@ -15,7 +15,7 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 import torch
-from conftest import golden_path, tiny_target_config
+from conftest import golden_path, random_pair, tiny_target_config
 from safetensors.torch import load_file
 
 from dspark.export import contract as C
@@ -321,8 +321,8 @@ def test_external_data_and_refusals(tmp_path):
 
 
 def test_export_pair_fused_flavour(tmp_path):
-    """export_pair(flavours=("plain", "fused")) adds target_fused.onnx with its parity; the default
-    export is today's graphs, each entry recording flavour "plain"."""
+    """export_pair(flavours=("plain", "fused")) adds target_fused.onnx, target_fused_tree.onnx and
+    drafter_backbone_fused.onnx with their parity; the plain graphs each record flavour "plain"."""
     from dspark.export.manifest import read_manifest
     from dspark.export.pipeline import export_pair
 
@@ -331,9 +331,10 @@ def test_export_pair_fused_flavour(tmp_path):
     assert read_manifest(tmp_path, verify="sha256")["graphs"]["target_fused"]["flavour"] == "fused"
     flavours = {name: entry["flavour"] for name, entry in manifest["graphs"].items()}
     assert flavours.pop("target_fused") == flavours.pop("target_fused_tree") == "fused"
+    assert flavours.pop("drafter_backbone_fused") == "fused"
     assert set(flavours.values()) == {"plain"}
     assert manifest["dropped_graphs"] == {} and manifest["flavours"] == ["plain", "fused"]
-    for name in ("target_fused", "target_fused_tree"):
+    for name in ("target_fused", "target_fused_tree", "drafter_backbone_fused"):
         parity = manifest["parity"][name]
         print(f"\n{name} parity: {parity}")
         assert parity["passed"] and max(parity["max_abs_diff"].values()) <= ATOL
@@ -349,16 +350,16 @@ def test_fused_graph_is_dropped_when_it_cannot_pass(tmp_path, monkeypatch):
     from dspark.export import pipeline
 
     graphs, parity, dropped = {}, {}, {}
-    small = TargetModel(tiny_target_config(head_dim=8), (0,))
-    drafter_config = DrafterConfig(**{f: getattr(small.config, f) for f in (
-        "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-        "num_key_value_heads", "head_dim")}, target_layer_ids=(0,), num_target_layers=3)
-    pipeline._export_fused(small, drafter_config, "float32", 17, tmp_path, 2**31 - 1, True, graphs, parity, dropped)
+    small, drafter = random_pair(0)  # head_dim 8: neither fused graph can hold it
+    for graph in pipeline.fused_graphs(small, drafter, "float32", 17, tmp_path, 2**31 - 1):
+        pipeline._export_fused(graph, True, graphs, parity, dropped)
     assert "multiple of 16" in dropped["target_fused"]["reason"] and not graphs and not list(tmp_path.iterdir())
+    assert "multiple of 16" in dropped["drafter_backbone_fused"]["reason"]
 
     monkeypatch.setattr(pipeline, "fused_parity", lambda *a: {"max_abs_diff": {"logits": 1.0}, "passed": False})
     dropped.clear()
-    pipeline._export_fused(_random_target(7), drafter_config, "float32", 17, tmp_path, 2**31 - 1, True, graphs,
-                           parity, dropped)
+    _, drafter = random_pair(0, drafter_overrides={"head_dim": 16})
+    target_graph = pipeline.fused_graphs(_random_target(7), drafter, "float32", 17, tmp_path, 2**31 - 1)[0]
+    pipeline._export_fused(target_graph, True, graphs, parity, dropped)
     assert dropped["target_fused"]["reason"] == "parity against PyTorch failed"
     assert not graphs and not parity and not list(tmp_path.iterdir())
