@@ -10,7 +10,7 @@ the runtime binds a call once per (rows, new context rows).
     x        = Gather(embed_tokens, block_ids)
     per layer i:
         k, v = MatMul(ctx, [Wk | Wv]) -> Split; k per-head normed
-        GroupQueryAttention(q = k tiled to the query heads, k, v, past/present buffer, seqlens_k, total,
+        GroupQueryAttention(q = k (kv_heads query heads), k, v, past/present buffer, seqlens_k, total,
                             cos, sin; do_rotary=1): writes rotated k and v at slots cached_b + t; its
                             attention output is not used (context rows have no queries)
         h    = input norm of x (the previous layer's SkipSimplifiedLayerNormalization)
@@ -130,11 +130,10 @@ def build_fused_backbone(drafter: DSparkDrafter, placement: Placement, dtype: st
             ck, cv = b.op("Split", [kv, kv_split], f"{p}/ctx_kv_split", outputs=2, axis=-1)
             if c.qk_norm:
                 ck = head_norm(b, ck, head_shape, k_shape, a.k_norm.weight, f"{p}/ctx_k_norm", norm_attrs)
-            (cq,) = b.op("Tile", [ck, b.const(f"{p}/ctx_q_tile", [1, 1, groups])], f"{p}/ctx_q")  # unused queries
-            b.op("GroupQueryAttention",
-                 [cq, ck, cv, f"past_context.{i}.key", f"past_context.{i}.value", "seqlens_k", "total_sequence_length",
+            b.op("GroupQueryAttention",  # queries: the keys themselves, one head each (the output is not used)
+                 [ck, ck, cv, f"past_context.{i}.key", f"past_context.{i}.value", "seqlens_k", "total_sequence_length",
                   cos_cache, sin_cache, "", "", "", "", "", "", "", query_seqlens],
-                 f"{p}/ctx_append", outputs=[f"{p}/ctx_unused", key, value], domain=MS_DOMAIN, num_heads=nh,
+                 f"{p}/ctx_append", outputs=[f"{p}/ctx_unused", key, value], domain=MS_DOMAIN, num_heads=kvh,
                  kv_num_heads=kvh, scale=hd**-0.5, do_rotary=1, rotary_interleaved=0, local_window_size=-1)
             # the block's queries, keys and values
             qkv = linear(b, h, [a.q_proj.weight, a.k_proj.weight, a.v_proj.weight],
