@@ -15,14 +15,15 @@ from dataclasses import dataclass
 
 MAGIC = b"\xd5\x9a\x4b\x7e"
 _HEADER = struct.Struct("<4sII")
+_LENGTH = struct.Struct("<I")
 HEADER_SIZE = _HEADER.size
 MAX_PAYLOAD = 1 << 30  # a length beyond this is a corrupt header, not a record
 
 
 def frame_header(payload: bytes) -> bytes:
     """The 12 bytes that go before `payload` in its frame."""
-    length = struct.pack("<I", len(payload))
-    return MAGIC + length + struct.pack("<I", zlib.crc32(payload, zlib.crc32(length)))
+    size = len(payload)
+    return _HEADER.pack(MAGIC, size, zlib.crc32(payload, zlib.crc32(_LENGTH.pack(size))))
 
 
 def frame(payload: bytes) -> bytes:
