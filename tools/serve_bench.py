@@ -320,7 +320,10 @@ def summarise(repeats: list[list[Phase]]) -> list[Phase]:
               help="Engine or export directory (default: the bundled demo engine).")
 @click.option("--clients", default="1,64,256", show_default=True, help="Concurrent client counts.")
 @click.option("--requests", "min_requests", default=256, show_default=True, type=click.IntRange(min=1),
-              help="At least this many requests per client count (at least 2 per client).")
+              help="At least this many requests per client count.")
+@click.option("--per-client", default=16, show_default=True, type=click.IntRange(min=1),
+              help="At least this many requests per client: a phase of a few requests each is mostly its ramp "
+              "(every client's first prefill at once) and drain (the last clients alone), not the steady state.")
 @click.option("--max-tokens", default=32, show_default=True, type=click.IntRange(min=1))
 @click.option("--repeats", default=1, show_default=True, type=click.IntRange(min=1),
               help="Interleaved rounds per client count (direct, service, http, direct, ...).")
@@ -329,7 +332,8 @@ def summarise(repeats: list[list[Phase]]) -> list[Phase]:
 @click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=str), help="Also write the rows here.")
 @click.option("--serve-args", default="", help="More `dspark serve` options for the http system, e.g. "
               "'--replicas 1' (the engine in a Ray replica process, the HTTP front end in the server's).")
-def main(engine_dir, clients, min_requests, max_tokens, repeats, http_clients, json_out, serve_args) -> None:
+def main(engine_dir, clients, min_requests, per_client, max_tokens, repeats, http_clients, json_out,
+         serve_args) -> None:
     """Server overhead: TTFT and tok/s through HTTP vs the engine driven directly."""
     import torch
 
@@ -357,7 +361,7 @@ def main(engine_dir, clients, min_requests, max_tokens, repeats, http_clients, j
         for name in names:
             CLIENTS[name](url, warm, max_tokens)
         for count in counts:
-            work = jobs(count, max(2, -(-min_requests // count)), prompts)
+            work = jobs(count, max(per_client, -(-min_requests // count)), prompts)
             rounds = []
             for _ in range(repeats):
                 done = [timed(run_direct, runtime, work, max_tokens, stop),
