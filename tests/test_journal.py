@@ -285,3 +285,35 @@ def test_packed_rows_write_the_frames_progress_does(tmp_path):
     got = JournalStore(tmp_path / "rows")
     assert got.recover() == expected.recover()
     got.close()
+
+
+@pytest.mark.parametrize("every", [1, 2])
+def test_the_journals_step_records_hold_every_rounds_lengths(runtime, tmp_path, every):
+    """The recorder's packed rows read back from the journal's own step records (no compaction): each running
+    request's tokens, acceptance and proposal lengths as the engine holds them. Recorded after every step, or
+    every other step (then a row's record carries two rounds); the first step's rows carry a token and no round."""
+    store = JournalStore(tmp_path)
+    store.recover()
+    engine, recorder, ids = runtime.engine(), StepRecorder(store), {}
+    for i, (prompt, temperature, seed) in enumerate(REQUESTS):
+        spec = RequestSpec(f"r{i}", prompt, MAX_NEW, temperature, seed)
+        store.submitted(spec)
+        ids[spec.key] = engine.submit(prompt, max_new_tokens=MAX_NEW, temperature=temperature, seed=seed)
+        recorder.track(ids[spec.key], spec.key)
+    done: dict = {}
+    for step in range(1, 7):
+        engine.step()
+        done.update(engine.take_finished())
+        if step % every == 0:
+            recorder.record(engine, done)
+            done = {}
+    store.close()
+    reopened = JournalStore(tmp_path)
+    recovered = reopened.recover()
+    reopened.close()
+    live = {a.result.request_id: a.result for a in engine.active}
+    assert recovered.problems == [] and recovered.running
+    for snap in recovered.running:
+        result = live[ids[snap.spec.key]]
+        assert (snap.tokens, snap.acceptance_lengths, snap.proposal_lengths) == \
+            (result.tokens, result.acceptance_lengths, result.proposal_lengths)
