@@ -154,16 +154,16 @@ class AsyncScheduler:
         return (2 * k * requests + then) // (2 * then)  # round(K* · R_t / R_{t-lag}), halves up
 
     def decide(self, *, confidence_logits: torch.Tensor | None,  # [R, γ]; rows that did not draft: −inf
-               step_seconds: StepSeconds | None) -> Decision:
+               step_seconds: StepSeconds | None, survivals: np.ndarray | None = None) -> Decision:
         if confidence_logits is None:
             raise SchedulerConfigError("scheduler mode 'async' needs a drafter with a confidence head")
         if step_seconds is None:
             raise SchedulerConfigError("scheduler mode 'async' needs a step cost model")
-        probs = survival(confidence_logits, self.temperatures)  # [R, γ]
-        requests, gamma = probs.shape
+        # [R, γ]; `survivals` where the caller has them at these temperatures
+        a = survival(confidence_logits, self.temperatures).numpy() if survivals is None else survivals
+        requests, gamma = a.shape
         if requests == 0:
             return Decision((), 0.0, None, 0)
-        a = probs.numpy()
         drafting = int(np.isfinite(confidence_logits[:, 0].numpy()).sum()) if gamma else 0
         if self.padded:  # for the decision `lag` steps on
             searched = (best_depth(a, step_seconds), requests)
@@ -175,7 +175,7 @@ class AsyncScheduler:
                 self._searched.popleft()
             self._searched.append(searched)
         if capacity is None and self.lag:  # warm-up: Algorithm 1 with its early stop
-            return prefix_schedule(probs, step_seconds, padded=self.padded)
+            return prefix_schedule(a, step_seconds, padded=self.padded)
         if self.padded:
             depth = searched[0] if capacity is None else capacity // requests
             lengths = np.minimum(depth, (a > 0).sum(axis=1))

@@ -38,7 +38,7 @@ from .kv_cache import Admission, Capacity, SlotCache
 from .kv_tiers import HostTier
 from .model_info import ModelInfo
 from .monitor import Monitor
-from .prefix_scheduler import Decision, SchedulerConfig, StepScheduler
+from .prefix_scheduler import Decision, SchedulerConfig, StepScheduler, survival
 from .proposer import DraftBlock
 from .recovery.resume import resumed_tokens
 from .recovery.snapshot import RequestSnapshot
@@ -215,12 +215,15 @@ class BatchEngine:
             begin = time.perf_counter()
         confidence = None if block is None or block.confidence_logits is None else torch.as_tensor(
             block.confidence_logits)
+        # Algorithm 1 and the gate read the same survivals: computed once (~30 µs a step at one request)
+        survivals = None if confidence is None or self.scheduler.mode not in ("dspark", "async") else survival(
+            confidence, self.scheduler.confidence_temperatures).numpy()
         # a probe under padded verification verifies anchors only: it is there for the drafted rows'
         # confidences (the gate's pool), and their drafts would pad every row to their width
         probe_only = plan is not None and plan.probe and self.scheduler.pricing == "padded"
         if (block is not None and not probe_only) or not self.scheduler.needs_drafts:
             decision = self.planner.decide(requests=rows, block_size=self.info.block_size,
-                                           confidence_logits=confidence,
+                                           confidence_logits=confidence, survivals=survivals,
                                            step_seconds=self.cost_model.seconds if self.cost_model else None)
             if len(drafting) < rows and self.scheduler.needs_drafts:  # rows that did not draft verify their anchor
                 lengths = np.zeros(rows, np.int64)
@@ -239,7 +242,7 @@ class BatchEngine:
             drafts = batch.tokens - rows  # drafts verified this step (0: anchors only)
             verified = (decision.expected_accepts - rows, sum(accepted) - rows) \
                 if drafts and decision.expected_accepts is not None else None
-            self.gate.record(plan, confidence, verified)
+            self.gate.record(plan, confidence, verified, survivals)
         load = self.monitor.sample() if self.monitor else None
         record = StepRecord(
             step=self._step, requests=rows, admitted_new=len(new), lengths=list(decision.lengths),

@@ -68,7 +68,6 @@ exact whatever was (or was not) drafted.
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass, replace
 from typing import Protocol, runtime_checkable
 
@@ -78,6 +77,7 @@ import torch
 from .drafter_runner import CONTEXT_ROW_COST
 from .prefix_scheduler import survival
 from .stats import StepRecord
+from .survival_pool import SurvivalPool
 
 ACCEPTANCE_DECAY = 0.9  # per step that verified drafts: the realised/expected ratio follows ~10 such steps
 PRIOR_DRAFTS = 16.0  # pseudo-drafts accepted as expected, added to both sums of the ratio
@@ -127,13 +127,14 @@ class DraftingGate:
         self.cost, self.block_size, self.temperatures, self.padded = cost, block_size, temperatures, padded
         self.probe_every, self.probe_rows, self.catch_up_steps = probe_every, probe_rows, catch_up_steps
         self.prior = prior_acceptance ** np.arange(1, block_size + 1)  # [γ] survival of the prior row
-        self.pool: deque[np.ndarray] = deque(maxlen=pool_rows)  # [γ] survival rows of recent drafted rows
+        self.pool = SurvivalPool(pool_rows, block_size)  # [γ] survival rows of recent drafted rows
         self.skipped = 0  # steps since rows last drafted
         self.expected_drafts = 0.0  # decayed Σ drafts Algorithm 1 expected accepted, steps that verified drafts
         self.accepted_drafts = 0.0  # decayed Σ drafts accepted in those steps
         self.pool_version = 0  # bumped whenever the pool or those sums change (a snapshot re-encodes them then)
-        # the pool's survivals > 0, descending, and its mean survival per depth [γ]; None: to build
-        self._candidates: tuple[np.ndarray, np.ndarray] | None = None
+        # the pool's survivals > 0, descending (None under padded pricing, which reads depths only), and its
+        # mean survival per depth [γ]; None: to build
+        self._candidates: tuple[np.ndarray | None, np.ndarray] | None = None
         # the last "does not pay": (requests, pool_version, Σ excess backlog, normal draft seconds); steps reused
         self._declined: tuple[int, int, int, float] | None = None
         self._declined_steps = 0
@@ -198,16 +199,17 @@ class DraftingGate:
         accepts τ [n] and verified tokens B [n], from no draft on. Packed: candidates by descending
         survival, each pool candidate standing for R / P; padded (`padded`): depth by depth, B = R·(1 + depth)."""
         if self._candidates is None:
-            pool = np.stack(self.pool) if self.pool else self.prior[None, :]  # [P, γ]
-            a = pool[pool > 0]
-            self._candidates = (-np.sort(-a), pool.mean(axis=0))
+            pool = self.pool.rows() if self.pool else self.prior[None, :]  # [P, γ], oldest first
+            self._candidates = (None if self.padded else -np.sort(-pool[pool > 0]), pool.mean(axis=0))
         ranked, depths = self._candidates
-        if scale != 1.0:  # keeps the order (and the padded path's nonzero depths); a survival stays <= 1
-            ranked, depths = np.minimum(ranked * scale, 1.0), np.minimum(depths * scale, 1.0)
         if self.padded:
+            if scale != 1.0:  # keeps the nonzero depths; a survival stays <= 1
+                depths = np.minimum(depths * scale, 1.0)
             depths = depths[: int(np.count_nonzero(depths > 0))]
             tau = requests * (1.0 + np.concatenate(([0.0], np.cumsum(depths))))
             return tau, requests * (1 + np.arange(depths.size + 1))
+        if scale != 1.0:  # keeps the order; a survival stays <= 1
+            ranked = np.minimum(ranked * scale, 1.0)
         per = requests / (len(self.pool) or 1)  # candidates of R rows per pool candidate
         cumulative = np.concatenate(([0.0], np.cumsum(ranked)))
         if per >= 1.0:
@@ -229,9 +231,10 @@ class DraftingGate:
 
     # -- after the step --------------------------------------------------------------------------
     def record(self, plan: GatePlan, confidence_logits: torch.Tensor | np.ndarray | None,
-               verified: tuple[float, int] | None = None) -> None:
+               verified: tuple[float, int] | None = None, survivals: np.ndarray | None = None) -> None:
         """confidence_logits [R, γ] of the step (rows that did not draft: anything, unread); `verified`:
-        (drafts Algorithm 1 expected accepted, drafts accepted) when the step verified drafts."""
+        (drafts Algorithm 1 expected accepted, drafts accepted) when the step verified drafts; `survivals`:
+        their survival [R, γ] at this gate's temperatures where the caller has it (not computed again)."""
         if verified is not None and verified[0] > 0:
             self.expected_drafts = self.expected_drafts * ACCEPTANCE_DECAY + verified[0]
             self.accepted_drafts = self.accepted_drafts * ACCEPTANCE_DECAY + verified[1]
@@ -240,9 +243,12 @@ class DraftingGate:
             self.skipped += 1
             return
         self.skipped = 0
-        if confidence_logits is not None:
-            logits = torch.as_tensor(confidence_logits)[torch.from_numpy(plan.rows)]
-            self.pool.extend(survival(logits, self.temperatures).numpy())
+        if survivals is not None or confidence_logits is not None:
+            if survivals is None:
+                logits = torch.as_tensor(confidence_logits)[torch.from_numpy(plan.rows)]
+                self.pool.extend(survival(logits, self.temperatures).numpy())
+            else:
+                self.pool.extend(survivals[plan.rows])
             self._candidates = None
             self.pool_version += 1
 

@@ -183,14 +183,16 @@ def admit_by_width(survivals: np.ndarray, throughput: Throughput) -> Decision:
     return Decision((depth,) * requests, float(tau[depth - 1]), float(theta[depth - 1]), considered)
 
 
-def prefix_schedule(survival_probs: torch.Tensor, step_seconds: StepSeconds, *, padded: bool = False) -> Decision:
+def prefix_schedule(survival_probs: torch.Tensor | np.ndarray, step_seconds: StepSeconds, *,
+                    padded: bool = False) -> Decision:
     """Algorithm 1 over chain slots. survival_probs [R, γ], non-increasing along γ.
     Θ = τ·SPS(B) with SPS(B) = 1 / step_seconds(R, B); B counts the verified tokens packed (the
     paper's §5.3, `admit_by_throughput`), or with `padded` what a verification over [R, W] rows
     computes (`admit_by_width`)."""
     requests = survival_probs.shape[0]
     admit = admit_by_width if padded else admit_by_throughput
-    return admit(survival_probs.numpy(), lambda tau, tokens: tau / step_seconds(requests, tokens))
+    probs = survival_probs.numpy() if isinstance(survival_probs, torch.Tensor) else survival_probs
+    return admit(probs, lambda tau, tokens: tau / step_seconds(requests, tokens))
 
 
 def threshold_length(confidence_logits: torch.Tensor, threshold: float) -> int:
@@ -228,11 +230,13 @@ class StepScheduler:
         block_size: int,
         confidence_logits: torch.Tensor | None,  # [R, γ] or None
         step_seconds: StepSeconds | None,
+        survivals: np.ndarray | None = None,  # [R, γ] survival(confidence_logits) where the caller has it
     ) -> Decision:
         if self._async is not None:
-            return self._async.decide(confidence_logits=confidence_logits, step_seconds=step_seconds)
+            return self._async.decide(confidence_logits=confidence_logits, step_seconds=step_seconds,
+                                      survivals=survivals)
         return schedule(self.config, requests=requests, block_size=block_size,
-                        confidence_logits=confidence_logits, step_seconds=step_seconds)
+                        confidence_logits=confidence_logits, step_seconds=step_seconds, survivals=survivals)
 
 
 def schedule(
@@ -242,6 +246,7 @@ def schedule(
     block_size: int,
     confidence_logits: torch.Tensor | None,  # [R, γ] or None (drafter without confidence head)
     step_seconds: StepSeconds | None,
+    survivals: np.ndarray | None = None,  # [R, γ] survival(confidence_logits, its temperatures), if known
 ) -> Decision:
     if config.mode == "off":
         return Decision((0,) * requests, None, None, 0)
@@ -257,5 +262,6 @@ def schedule(
         raise SchedulerConfigError("scheduler mode 'async' keeps state across steps: ask a StepScheduler")
     if step_seconds is None:
         raise SchedulerConfigError("scheduler mode 'dspark' needs a step cost model")
-    return prefix_schedule(survival(confidence_logits, config.confidence_temperatures), step_seconds,
-                           padded=config.pricing == "padded")
+    if survivals is None:
+        survivals = survival(confidence_logits, config.confidence_temperatures).numpy()
+    return prefix_schedule(survivals, step_seconds, padded=config.pricing == "padded")

@@ -19,6 +19,7 @@ import numpy as np
 
 if TYPE_CHECKING:  # snapshot stores merge states without the engine (batch_loop imports them)
     from ..batch_loop import BatchEngine
+    from ..survival_pool import SurvivalPool
 
 _HEAD = struct.Struct("<4sIII")  # dtype code, skipped, rows, width
 _SUMS = struct.Struct("<dd")  # the gate's expected_drafts, accepted_drafts
@@ -77,8 +78,8 @@ def merge_engine_state(last: bytes | None, state: bytes) -> bytes:
     return _HEAD.pack(code, skipped, rows, width) + last[_HEAD.size:end] + state[_HEAD.size:]
 
 
-def _encode_pool(pool, width: int) -> tuple[bytes, int, int, bytes]:
-    rows = np.stack(pool) if pool else np.zeros((0, width), np.float32)
+def _encode_pool(pool: SurvivalPool, width: int) -> tuple[bytes, int, int, bytes]:
+    rows = pool.rows() if pool else np.zeros((0, width), np.float32)  # oldest first
     code = _DTYPE_CODES.get(rows.dtype.str)
     if code is None:
         rows, code = rows.astype(np.float64), _DTYPE_CODES["<f8"]
