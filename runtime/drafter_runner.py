@@ -40,6 +40,7 @@ from .model_info import ModelInfo
 from .proposer import DraftBlock, propose_rows
 
 MAX_FUSED_BINDINGS = 256  # (first slot, rows, new context rows, output row) layouts kept bound at once
+FILL_BY_ROW = 4  # up to this many rows, the fused backbone copies context chunks row by row
 CONTEXT_ROW_COST = 0.025  # one context row beyond a normal step's, as a fraction of one row's drafting
 CALL_ROWS = 2.0  # a backbone call's fixed cost, in rows of drafting
 
@@ -80,6 +81,10 @@ class DrafterRunner:
                          for graph in (C.BACKBONE, C.HEAD_GREEDY) if graph in backend.specs
                          for t in backend.specs[graph].outputs if t.dims[0] == "batch" and "present" not in t.name}
         self._greedy_heads: dict[int, tuple[BoundCall, dict[str, np.ndarray], dict[str, np.ndarray]]] = {}
+        # graph -> (name, elements per row, row shape) of each block output held in `_buffers`
+        self._views = {graph: [(t.name, int(np.prod(t.dims[1:])), tuple(t.dims[1:]))
+                               for t in backend.specs[graph].outputs if t.name in self._buffers]
+                       for graph in (C.BACKBONE, C.HEAD_GREEDY) if graph in backend.specs}
         self.fused = C.BACKBONE_FUSED in backend.specs and kv.device is None
         self._fused_calls: dict[tuple[int, int, int, int], tuple[BoundCall, dict[str, np.ndarray]]] = {}
 
@@ -108,7 +113,7 @@ class DrafterRunner:
                   counts: np.ndarray, slots: np.ndarray, first: int) -> None:
         """One backbone call over slot rows `slots`; its block outputs land in rows first.. of the buffers."""
         rows, gamma, dtype = len(anchors), self.info.block_size, self.kv.dtype
-        contiguous = bool(slots[-1] - slots[0] == rows - 1 and (np.diff(slots) == 1).all())
+        contiguous = rows == 1 or bool(slots[-1] - slots[0] == rows - 1 and (np.diff(slots) == 1).all())
         cached = self.kv.lengths[slots]
         width = max(int(counts.max()), 1)  # new context rows, padded: every row's are written, only its own count
         if self.fused and contiguous and int(cached.max()) + width <= self.kv.max_len:
@@ -178,10 +183,17 @@ class DrafterRunner:
         feeds["block_ids"][:, 0] = anchors
         feeds["block_position_ids"][...] = starts[:, None] + np.arange(gamma)
         features = feeds["context_features"]
-        which = np.repeat(np.arange(rows), counts)
-        within = np.arange(which.size) - np.repeat(np.cumsum(counts) - counts, counts)
-        if which.size:
-            features[which, within] = np.concatenate([c for chunks in pending for c in chunks])
+        if rows <= FILL_BY_ROW:  # a few rows: slice copies beat building the scatter's indices
+            for row, chunks in zip(features, pending, strict=True):
+                at = 0
+                for chunk in chunks:
+                    row[at : at + len(chunk)] = chunk
+                    at += len(chunk)
+        else:
+            which = np.repeat(np.arange(rows), counts)
+            within = np.arange(which.size) - np.repeat(np.cumsum(counts) - counts, counts)
+            if which.size:
+                features[which, within] = np.concatenate([c for chunks in pending for c in chunks])
         feeds["seqlens_k"][...] = cached + width - 1
         feeds["total_sequence_length"][...] = int(cached.max()) + width
         feeds["context_lengths"][...] = cached + counts
@@ -206,12 +218,9 @@ class DrafterRunner:
 
     def _outputs(self, graph: str, rows: int, first: int = 0) -> dict[str, np.ndarray]:
         """[rows, ...] views of the flat buffers for `graph`'s block outputs, from buffer row `first`."""
-        views = {}
-        for t in self.backend.specs[graph].outputs:
-            if t.name in self._buffers:
-                size = int(np.prod(t.dims[1:]))
-                views[t.name] = self._buffers[t.name][first * size : (first + rows) * size].reshape(rows, *t.dims[1:])
-        return views
+        buffers = self._buffers
+        return {name: buffers[name][first * size : (first + rows) * size].reshape(rows, *shape)
+                for name, size, shape in self._views[graph]}
 
     def propose(
         self,

@@ -135,3 +135,29 @@ def test_rows_drafting_from_a_later_slot_match_the_plain_backbone(backend):
     for row in range(4):
         for got, want in zip(a.kv, b.kv, strict=True):
             np.testing.assert_allclose(got[row, :, : a.lengths[row]], want[row, :, : a.lengths[row]], atol=1e-4)
+
+
+@pytest.mark.parametrize("rows", [2, 6])
+def test_backlogs_of_several_chunks_match_the_plain_backbone(backend, rows):
+    """Rows that skipped drafting hold their context in several chunks: the fused call copies them in order,
+    row by row for a few rows and by one scatter for more (both fill paths), as the plain backbone reads them."""
+    info = ModelInfo.from_manifest(backend.manifest)
+    rng = np.random.default_rng(2)
+    width = info.context_feature_size
+    contexts = [[rng.standard_normal((int(n), width)).astype(np.float32) for n in rng.integers(1, 6, 3)]
+                for _ in range(rows)]
+    counts = np.array([sum(len(c) for c in chunks) for chunks in contexts])
+    anchors, starts = rng.integers(2, 500, rows), counts.copy()
+    runners, outputs, calls = [], [], len(backend.times.seconds[C.BACKBONE_FUSED])
+    for fused in (True, False):
+        runner = DrafterRunner(backend, info, SlotCache(info.drafter_cache, 8, 64))
+        runner.fused = fused
+        outputs.append(runner.draft(anchors, starts, contexts).hidden.copy())
+        runners.append(runner)
+    assert len(backend.times.seconds[C.BACKBONE_FUSED]) == calls + 1  # the fused runner went through it
+    np.testing.assert_allclose(outputs[0], outputs[1], atol=1e-4, rtol=1e-4)
+    a, b = (r.kv for r in runners)
+    assert a.lengths.tolist() == b.lengths.tolist() == [*counts.tolist(), *[0] * (8 - rows)]
+    for row in range(rows):
+        for got, want in zip(a.kv, b.kv, strict=True):
+            np.testing.assert_allclose(got[row, :, : a.lengths[row]], want[row, :, : a.lengths[row]], atol=1e-4)
