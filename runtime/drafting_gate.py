@@ -150,8 +150,8 @@ class DraftingGate:
             normal = float(self.cost.draft_seconds(requests))
             amortised = normal * (1.0 + CONTEXT_ROW_COST * excess / (requests * self.catch_up_steps))
             if self.drafting_pays(requests, amortised, drafting=self._drafting):
-                self._declined, self._drafting = None, True
-                return GatePlan(requests, every, self._price(backlogs), normal)
+                self._declined, self._drafting = None, True  # the price is _price(backlogs), from what we have
+                return GatePlan(requests, every, normal * (1.0 + CONTEXT_ROW_COST * excess / requests), normal)
             self._declined, self._declined_steps = (requests, self.pool_version, excess, normal), 0
         self._drafting = False
         normal = self._declined[3]

@@ -171,16 +171,15 @@ def admit_by_width(survivals: np.ndarray, throughput: Throughput) -> Decision:
     depth d reads survivals of depths ≤ d only, and a_{r,d} depends on drafts before slot d, never on
     the d-th draft itself (Appendix A). survivals [R, γ], non-increasing along γ."""
     requests, gamma = survivals.shape
-    tau = requests + np.cumsum(survivals.sum(axis=0))  # after admitting depths 1..γ
-    theta = throughput(tau, requests * (1 + np.arange(1, gamma + 1)))
-    best = float(throughput(np.array([float(requests)]), np.array([requests]))[0])
-    previous = np.concatenate(([best], theta[:-1]))
-    refused = np.flatnonzero((theta <= previous) | (survivals.max(axis=0) <= 0))
+    # τ and Θ from no draft (depth 0: the R anchors) to all γ depths, in one pricing call
+    tau = requests + np.concatenate(([0.0], np.cumsum(survivals.sum(axis=0))))
+    theta = throughput(tau, requests * (1 + np.arange(gamma + 1)))
+    refused = np.flatnonzero((theta[1:] <= theta[:-1]) | (survivals.max(axis=0) <= 0))
     depth = int(refused[0]) if refused.size else gamma
     considered = min(depth + 1, gamma)
     if depth == 0:
-        return Decision((0,) * requests, float(requests), best, considered)
-    return Decision((depth,) * requests, float(tau[depth - 1]), float(theta[depth - 1]), considered)
+        return Decision((0,) * requests, float(requests), float(theta[0]), considered)
+    return Decision((depth,) * requests, float(tau[depth]), float(theta[depth]), considered)
 
 
 def prefix_schedule(survival_probs: torch.Tensor | np.ndarray, step_seconds: StepSeconds, *,

@@ -190,7 +190,9 @@ def test_catch_up_is_priced_by_its_share_and_spread_over_the_steps_it_buys():
     one = GatePlan(16, np.arange(16), gate._price(np.array([8] * 15 + [408])), normal)
     assert one.price == pytest.approx(normal * (1 + CONTEXT_ROW_COST * 400 / 16))  # its own 400 rows, not 16 × 400
     assert not gate.plan(np.full(16, 2000)).all  # a backlog that the drafting gain cannot repay
-    assert gate.plan(np.full(16, 40)).all  # a short one that it can
+    backlogs = np.array([40] * 15 + [9])
+    plan = gate.plan(backlogs)  # a short one that it can: the plan's price is its catch-up's
+    assert plan.all and plan.price == pytest.approx(gate._price(backlogs)) and plan.price > normal
 
 
 def test_split_calls_keeps_one_call_unless_a_backlog_would_pad_every_row():

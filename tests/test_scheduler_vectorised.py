@@ -69,3 +69,38 @@ def test_vectorised_ragged_rows_take_the_scalar_decisions():
         got = admit_by_throughput(rows, theta)
         want = scalar_algorithm1(rows, lambda tau, tokens, sps=sps: tau * float(sps[tokens]))
         assert (got.lengths, got.expected_accepts, got.expected_throughput, got.considered) == want
+
+
+def scalar_by_width(survivals, theta):
+    """Algorithm 1 over a padded verification, as `admit_by_width` states it: depth d (every row's d-th draft)
+    adds Σ_r a_{r,d} to τ for R more verified tokens; depths go in order while Θ rises, a depth no row can
+    fill (all survivals 0) stops the scan as a drop does."""
+    requests, gamma = len(survivals), len(survivals[0])
+    tau, best, depth = float(requests), theta(float(requests), requests), 0
+    for d in range(gamma):
+        column = [row[d] for row in survivals]
+        candidate = theta(tau + sum(column), requests * (d + 2))
+        if candidate <= best or max(column) <= 0:
+            break
+        tau, best, depth = tau + sum(column), candidate, d + 1
+    return (depth,) * requests, tau, best, min(depth + 1, gamma)
+
+
+def test_vectorised_padded_chains_take_the_scalar_decisions():
+    rng = np.random.default_rng(2)
+    for i in range(3000):
+        requests, gamma = int(rng.integers(1, 17)), int(rng.integers(1, 9))
+        survivals, cost = random_survivals(rng, requests, gamma), random_cost(rng)
+        if i % 10 == 0:  # every draft survives and a step costs its tokens: Θ ties at every depth (a drop)
+            def seconds(r, tokens):
+                return 1e-3 * np.asarray(tokens, dtype=np.float64)
+
+            survivals = np.ones_like(survivals)
+        else:
+            seconds = cost.seconds
+        got = prefix_schedule(torch.from_numpy(survivals), seconds, padded=True)
+        want = scalar_by_width(survivals.tolist(),
+                               lambda tau, tokens, s=seconds, r=requests: tau / float(s(r, tokens)))
+        assert got.lengths == want[0] and got.considered == want[3]
+        assert np.isclose(got.expected_accepts, want[1], rtol=1e-12)
+        assert np.isclose(got.expected_throughput, want[2], rtol=1e-12)
