@@ -32,6 +32,11 @@ def verify_chains(
     sampled = [r for r, t in enumerate(temperatures) if t > 0]
     if batch.width == 1 and not sampled:  # anchors only, all greedy (plain decoding): the bonus is the argmax
         return np.zeros(batch.rows, np.int64), greedy[:, 0].astype(np.int64)
+    if batch.rows == 1 and not sampled:  # one greedy row: its drafts walked in Python, no [R, W] masks
+        ids, best, n, k = batch.ids[0].tolist(), greedy[0].tolist(), int(drafts[0]), 0
+        while k < n and ids[k + 1] == best[k]:
+            k += 1
+        return np.array([k], np.int64), np.array([best[k]], np.int64)
     survives = (batch.ids[:, 1:] == greedy[:, :-1]) & (np.arange(batch.width - 1)[None, :] < drafts[:, None])
     accepted = np.cumprod(survives, axis=1).sum(axis=1) if batch.width > 1 else np.zeros(batch.rows, np.int64)
     bonus = greedy[np.arange(batch.rows), accepted]  # a copy: the sampling rows below overwrite theirs

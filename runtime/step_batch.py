@@ -91,6 +91,8 @@ class StepBatch:
     def gather(self, values: np.ndarray, counts: np.ndarray) -> np.ndarray:
         """Rows of `values` [R, W, ...] packed: the first counts[r] of row r, row after row -> [Σ counts, ...]."""
         counts = np.asarray(counts, dtype=np.int64)
+        if len(counts) == 1:  # one row (a single stream): a slice, copied (values is a reused buffer)
+            return values[0, : counts[0]].copy()
         rows = np.repeat(np.arange(len(counts)), counts)
         cols = np.arange(rows.size) - np.repeat(np.cumsum(counts) - counts, counts)
         return values[rows, cols]
