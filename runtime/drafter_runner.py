@@ -242,7 +242,7 @@ class DrafterRunner:
                 out = self._outputs(C.HEAD_GREEDY, rows)
                 self._greedy_heads[rows] = (self.backend.bind(C.HEAD_GREEDY, feeds, out), feeds, out)
             call, feeds, out = self._greedy_heads[rows]
-            if not np.shares_memory(hidden, feeds["block_hidden"]):
+            if not np.may_share_memory(hidden, feeds["block_hidden"]):  # bounds only: the exact test is dear
                 raise ValueError("propose takes the block_hidden that this runner's draft() just returned")
             feeds["anchor_ids"][...] = anchors
             call.run()

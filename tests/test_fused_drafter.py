@@ -161,3 +161,15 @@ def test_backlogs_of_several_chunks_match_the_plain_backbone(backend, rows):
     for row in range(rows):
         for got, want in zip(a.kv, b.kv, strict=True):
             np.testing.assert_allclose(got[row, :, : a.lengths[row]], want[row, :, : a.lengths[row]], atol=1e-4)
+
+
+def test_the_greedy_heads_take_only_the_block_this_runner_drafted(backend):
+    """The heads are bound over the backbone's output buffers: a block_hidden from elsewhere is refused."""
+    info = ModelInfo.from_manifest(backend.manifest)
+    runner = DrafterRunner(backend, info, SlotCache(info.drafter_cache, 2, 64))
+    context = [[np.zeros((3, info.context_feature_size), np.float32)]]
+    drafted = runner.draft(np.array([5]), np.array([3]), context)
+    block = runner.propose(drafted.hidden, drafted.base_logits, np.array([5]), [0.0], [None])
+    assert np.asarray(block.tokens).shape == (1, info.block_size)
+    with pytest.raises(ValueError, match="just returned"):
+        runner.propose(drafted.hidden.copy(), drafted.base_logits, np.array([5]), [0.0], [None])
