@@ -68,6 +68,7 @@ exact whatever was (or was not) drafted.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Protocol, runtime_checkable
 
@@ -189,9 +190,15 @@ class DraftingGate:
         realised acceptance scales survivals up only while the rows are `drafting` (module docstring)."""
         scale = self.acceptance_scale
         tau, tokens = self._path(requests, scale if drafting else min(scale, 1.0))
-        theta = tau / (draft_seconds + np.asarray(self.cost.verify_seconds(requests, tokens), dtype=np.float64))
-        drops = np.flatnonzero(theta[1:] <= theta[:-1])
-        best = float(theta[drops[0]] if drops.size else theta[-1])
+        verify = np.asarray(self.cost.verify_seconds(requests, tokens), dtype=np.float64).tolist()
+        # a path of γ + 1 points (padded) to ~γ·P (packed): Python floats, as numpy's would be, without its
+        # per-call cost (this runs every step)
+        best = -math.inf
+        for t, v in zip(tau.tolist(), verify, strict=True):
+            theta = t / (draft_seconds + v)
+            if theta <= best:
+                break
+            best = theta
         return best, requests / float(self.cost.verify_seconds(requests, requests))
 
     def _path(self, requests: int, scale: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
@@ -202,12 +209,14 @@ class DraftingGate:
             pool = self.pool.rows() if self.pool else self.prior[None, :]  # [P, γ], oldest first
             self._candidates = (None if self.padded else -np.sort(-pool[pool > 0]), pool.mean(axis=0))
         ranked, depths = self._candidates
-        if self.padded:
-            if scale != 1.0:  # keeps the nonzero depths; a survival stays <= 1
-                depths = np.minimum(depths * scale, 1.0)
-            depths = depths[: int(np.count_nonzero(depths > 0))]
-            tau = requests * (1.0 + np.concatenate(([0.0], np.cumsum(depths))))
-            return tau, requests * (1 + np.arange(depths.size + 1))
+        if self.padded:  # γ depths: summed as numpy's cumsum would, in Python floats (see throughputs)
+            tau, total = [requests * 1.0], 0.0
+            for a in depths.tolist():
+                if a <= 0.0:  # a scale keeps the nonzero depths; a survival stays <= 1
+                    break
+                total += a if scale == 1.0 else min(a * scale, 1.0)
+                tau.append(requests * (1.0 + total))
+            return np.array(tau), requests * (1 + np.arange(len(tau)))
         if scale != 1.0:  # keeps the order; a survival stays <= 1
             ranked = np.minimum(ranked * scale, 1.0)
         per = requests / (len(self.pool) or 1)  # candidates of R rows per pool candidate

@@ -171,15 +171,18 @@ def admit_by_width(survivals: np.ndarray, throughput: Throughput) -> Decision:
     depth d reads survivals of depths ≤ d only, and a_{r,d} depends on drafts before slot d, never on
     the d-th draft itself (Appendix A). survivals [R, γ], non-increasing along γ."""
     requests, gamma = survivals.shape
-    # τ and Θ from no draft (depth 0: the R anchors) to all γ depths, in one pricing call
-    tau = requests + np.concatenate(([0.0], np.cumsum(survivals.sum(axis=0))))
-    theta = throughput(tau, requests * (1 + np.arange(gamma + 1)))
-    refused = np.flatnonzero((theta[1:] <= theta[:-1]) | (survivals.max(axis=0) <= 0))
-    depth = int(refused[0]) if refused.size else gamma
-    considered = min(depth + 1, gamma)
-    if depth == 0:
-        return Decision((0,) * requests, float(requests), float(theta[0]), considered)
-    return Decision((depth,) * requests, float(tau[depth]), float(theta[depth]), considered)
+    # τ and Θ from no draft (depth 0: the R anchors) to all γ depths, in one pricing call; the γ + 1 sums and
+    # the scan in Python floats (numpy's cumsum adds in the same order), without numpy's per-call cost
+    tau, total = [float(requests)], 0.0
+    for a in survivals.sum(axis=0).tolist():
+        total += a
+        tau.append(requests + total)
+    theta = throughput(np.array(tau), requests * (1 + np.arange(gamma + 1))).tolist()
+    filled = (survivals.max(axis=0) > 0).tolist()
+    depth = 0
+    while depth < gamma and theta[depth + 1] > theta[depth] and filled[depth]:
+        depth += 1
+    return Decision((depth,) * requests, tau[depth], theta[depth], min(depth + 1, gamma))
 
 
 def prefix_schedule(survival_probs: torch.Tensor | np.ndarray, step_seconds: StepSeconds, *,
