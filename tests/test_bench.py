@@ -290,3 +290,38 @@ def test_standin_needs_a_checkpoint_and_a_larger_size(bench_out: Path, tmp_path:
     with pytest.raises(subjects.BenchSetupError, match="--standin-params: .* not more than the target's"):
         subjects.standin_checkpoint(chosen, "100k")
     assert not (tmp_path / "user-cache").exists()  # refused before writing anything
+
+
+def test_single_stream_rounds_report_the_median_round_and_every_rounds_ratio() -> None:
+    """Rounds interleave: round i of every system runs in the same stretch. A row is its median round, every
+    round's tokens/s beside it; a lossless system wrong in one round only is flagged; the ratios to a peer are
+    taken round by round, with their min and median."""
+    calls = {"fast": 0, "slow": 0, "flaky": 0}
+    speeds = {"fast": [400.0, 100.0, 200.0], "slow": [100.0, 100.0, 100.0]}  # tokens/s per round
+
+    def system(name: str, lossless: bool = True) -> System:
+        def generate(prompt: list[int], max_new_tokens: int) -> Timeline:
+            calls[name] += 1
+            at = (calls[name] - 2) // 2  # round of this call: one warm-up, then two prompts a round
+            timeline = Timeline(start=0.0)
+            tokens = [p + 1 for p in prompt][:max_new_tokens]
+            if name == "flaky" and at == 1:
+                tokens[0] += 1
+            seconds = len(tokens) / speeds.get(name, [50.0] * 3)[max(at, 0)]
+            timeline.times, timeline.counts, timeline.tokens = [seconds], [len(tokens)], tokens
+            return timeline
+        return System(name, "test", generate, lossless)
+
+    prompts, reference = [[1, 2, 3, 4], [5, 6, 7, 8]], [[2, 3, 4, 5], [6, 7, 8, 9]]
+    rows = {r["system"]: r for r in single_stream.run_systems(
+        [system("fast"), system("slow"), system("flaky")], prompts, 4, reference, rounds=3)}
+    assert rows["fast"]["tokens_per_second_runs"] == [400.0, 100.0, 200.0]
+    assert rows["fast"]["tokens_per_second"] == 200.0  # the median round
+    assert rows["fast"]["greedy_check"]["equal"] and not rows["flaky"]["greedy_check"]["equal"]
+    assert [m["prompt"] for m in rows["flaky"]["greedy_check"]["mismatches"]] == [2, 3]  # round 1's requests
+    named = [{**rows["fast"], "system": "dspark scheduler"}, {**rows["slow"], "system": "onnxruntime-genai greedy"}]
+    (ratio,) = report.single_stream_ratios(named)
+    assert ratio["ratios"] == [4.0, 1.0, 2.0] and ratio["min"] == 1.0 and ratio["median"] == 2.0
+    assert "median 2.00×, min 1.00× over 3 round(s) (goal ≥ 1.3×: met" in report.ratio_lines([ratio])
+    with pytest.raises(ValueError, match="rounds"):
+        single_stream.run_systems([system("slow")], prompts, 4, reference, rounds=0)

@@ -36,10 +36,11 @@ class Sizes:
     sweep_prompt_len: int
     sweep_new_tokens: int
     sweep_repeats: int = 3  # interleaved runs per (scheduler, concurrency); rows are the median run
+    single_stream_repeats: int = 3  # interleaved rounds over the prompts; rows are each system's median round
 
 
 QUICK = Sizes(prompts=8, prompt_len=64, new_tokens=64, concurrency=(1, 4, 16, 64, 256), sweep_prompt_len=32,
-              sweep_new_tokens=16)
+              sweep_new_tokens=16, single_stream_repeats=1)
 FULL = Sizes(prompts=8, prompt_len=64, new_tokens=128, concurrency=(1, 4, 16, 64, 256, 1024), sweep_prompt_len=32,
              sweep_new_tokens=32)
 
@@ -85,9 +86,12 @@ def _concurrency(text: str | None) -> tuple[int, ...] | None:
 @click.option("--sweep-only", is_flag=True, help="Only the load sweep(s): no acceptance, single stream, peers.")
 @click.option("--sweep-repeats", default=3, show_default=True, type=click.IntRange(min=1),
               help="Interleaved runs per scheduler and concurrency in the sweep (rows: the median run).")
+@click.option("--single-stream-repeats", type=click.IntRange(min=1),
+              help="Interleaved rounds of the single-stream prompts (rows: each system's median round; the ratios "
+                   "to onnxruntime-genai with their min and median over the rounds). Default: 3, 1 with --quick.")
 def bench(out, quick, engine, target, drafter, dflash, prompts_file, threads, num_prompts, prompt_len, new_tokens,
           concurrency, sweep_new_tokens, no_peers, draft_model, standin, standin_params, sweep_only,
-          sweep_repeats) -> None:
+          sweep_repeats, single_stream_repeats) -> None:
     """Acceptance, single-stream speed against peers, and a concurrency sweep, with plots."""
     from .bench.subjects import BenchSetupError
 
@@ -95,7 +99,8 @@ def bench(out, quick, engine, target, drafter, dflash, prompts_file, threads, nu
     sizes = Sizes(num_prompts or base.prompts, prompt_len or base.prompt_len, new_tokens or base.new_tokens,
                   _concurrency(concurrency) or base.concurrency, min(prompt_len or base.sweep_prompt_len,
                                                                      base.sweep_prompt_len),
-                  sweep_new_tokens or base.sweep_new_tokens, sweep_repeats)
+                  sweep_new_tokens or base.sweep_new_tokens, sweep_repeats,
+                  single_stream_repeats or base.single_stream_repeats)
     out.mkdir(parents=True, exist_ok=True)
     try:
         results = run_bench(out, sizes, engine=engine, target=target, drafter=drafter, dflash=dflash,
@@ -150,6 +155,7 @@ def run_bench(out: Path, sizes: Sizes, *, engine: Path | None, target: Path | No
         "config": {"prompts": len(prompts), "prompt_source": prompt_source, "new_tokens": sizes.new_tokens,
                    "concurrency": list(sizes.concurrency), "sweep_prompt_len": sizes.sweep_prompt_len,
                    "sweep_new_tokens": sizes.sweep_new_tokens, "sweep_repeats": sizes.sweep_repeats,
+                   "single_stream_repeats": sizes.single_stream_repeats,
                    "sweep_distinct_prompts": SWEEP_DISTINCT_PROMPTS,
                    "stop_token": stop,
                    "block_size": info.block_size},
@@ -193,6 +199,7 @@ def _single_stream(results: dict, runtime, chosen, prompts: list[list[int]], siz
 
     from .bench import acceptance, replay, single_stream
     from .bench import peers as peer_systems
+    from .bench.report import single_stream_ratios
 
     ours = single_stream.runtime_systems(runtime, stop=stop, max_seq_len=longest + sizes.new_tokens + 64)
 
@@ -224,7 +231,8 @@ def _single_stream(results: dict, runtime, chosen, prompts: list[list[int]], siz
                 rows.append({"system": exc.system or str(exc).split(":")[0], "runtime": "", "lossless": True,
                              "status": str(exc)})
     tqdm.write(f"dspark bench: single stream, {len(systems)} systems: {', '.join(s.name for s in systems)}")
-    rows += single_stream.run_systems(systems, prompts, sizes.new_tokens, reference, progress=True)
+    rows += single_stream.run_systems(systems, prompts, sizes.new_tokens, reference, progress=True,
+                                      rounds=sizes.single_stream_repeats)
     if reference is None:
         plain = next(r for r in rows if r["system"] == "dspark autoregressive")
         reference = plain["outputs"]
@@ -234,7 +242,8 @@ def _single_stream(results: dict, runtime, chosen, prompts: list[list[int]], siz
     for r in rows:
         r.pop("outputs", None)
     results["single_stream"] = {"reference": reference_name, "prompts": len(prompts),
-                                "max_new_tokens": sizes.new_tokens, "rows": rows}
+                                "max_new_tokens": sizes.new_tokens, "rounds": sizes.single_stream_repeats,
+                                "rows": rows, "ratios": single_stream_ratios(rows)}
     tqdm.write("dspark bench: loop efficiency (the engine against a replay of its own graph calls)")
     results["loop_efficiency"] = replay.loop_efficiency(
         runtime, prompts[:4], max_new_tokens=sizes.new_tokens, stop=stop,

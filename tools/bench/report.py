@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 from typing import Any
 
 
@@ -33,18 +34,50 @@ def acceptance_table(acceptance: dict[str, Any]) -> str:
 
 
 def single_stream_table(rows: list[dict[str, Any]]) -> str:
-    out = []
+    out, rounds = [], max((len(r.get("tokens_per_second_runs", ())) for r in rows), default=0)
     for r in rows:
+        runs = r.get("tokens_per_second_runs") or []
+        spread = [f"{min(runs):.0f}–{max(runs):.0f}" if runs else None] if rounds > 1 else []
         if r.get("status") != "ok":
-            out.append([r["system"], r["runtime"], r["status"], None, None, None, None])
+            out.append([r["system"], r["runtime"], r["status"], *([None] * len(spread)), None, None, None, None])
             continue
         check = r.get("greedy_check")
         greedy = "n/a" if check is None else ("yes" if check["equal"] else
-                                              f"MISMATCH ({len(check['mismatches'])} prompts)")
-        out.append([r["system"], r["runtime"], r["tokens_per_second"], r.get("decode_tokens_per_second"),
+                                              f"MISMATCH ({len(check['mismatches'])} requests)")
+        out.append([r["system"], r["runtime"], r["tokens_per_second"], *spread, r.get("decode_tokens_per_second"),
                     r["per_token_ms"], r["first_token_ms"], greedy])
-    return _table(["system", "runtime", "tokens/s", "decode tok/s", "ms/token", "first token ms", "greedy tokens"],
-                  out)
+    return _table(["system", "runtime", "tokens/s" + (f" (median of {rounds} rounds)" if rounds > 1 else ""),
+                   *(["rounds min–max"] if rounds > 1 else []), "decode tok/s", "ms/token", "first token ms",
+                   "greedy tokens"], out)
+
+
+# (ours, theirs, goal): issue 13's single-stream ratios, by system name prefix
+SINGLE_STREAM_RATIOS = (("dspark scheduler", "onnxruntime-genai greedy", 1.3),
+                        ("dspark scheduler", "onnxruntime-genai n-gram", 1.0),
+                        ("dspark autoregressive", "onnxruntime-genai greedy", 0.9))
+
+
+def single_stream_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each ratio of SINGLE_STREAM_RATIOS whose systems both ran, round by round (round i of both ran in the
+    same stretch of time): every round's value, their min and median, and the goal."""
+    def runs(prefix: str) -> list[float] | None:
+        row = next((r for r in rows if r["system"].startswith(prefix) and r.get("status") == "ok"), None)
+        return None if row is None else row.get("tokens_per_second_runs") or [row["tokens_per_second"]]
+
+    out = []
+    for ours, theirs, goal in SINGLE_STREAM_RATIOS:
+        a, b = runs(ours), runs(theirs)
+        if a and b and len(a) == len(b):
+            ratios = [x / y for x, y in zip(a, b, strict=True)]
+            out.append({"ours": ours, "theirs": theirs, "goal": goal, "ratios": [round(r, 3) for r in ratios],
+                        "min": round(min(ratios), 3), "median": round(statistics.median(ratios), 3)})
+    return out
+
+
+def ratio_lines(ratios: list[dict[str, Any]]) -> str:
+    return "\n".join(f"- {r['ours']} ÷ {r['theirs']}: median {r['median']:.2f}×, min {r['min']:.2f}× over "
+                     f"{len(r['ratios'])} round(s) (goal ≥ {r['goal']}×: "
+                     f"{'met' if r['median'] >= r['goal'] else 'not met'} at the median)" for r in ratios)
 
 
 def speculation_lines(rows: list[dict[str, Any]]) -> str:
@@ -146,6 +179,9 @@ def markdown(results: dict[str, Any]) -> str:
         title = (f"### Single stream (greedy, {single['max_new_tokens']} new tokens, {single['prompts']} prompts; "
                  f"reference: {single['reference']})")
         parts += [title, single_stream_table(single["rows"])]
+        ratios = single.get("ratios") or single_stream_ratios(single["rows"])
+        if ratios:
+            parts.append(ratio_lines(ratios))
         speculation = speculation_lines(single["rows"])
         if speculation:
             parts.append(speculation)

@@ -87,12 +87,17 @@ def summed_counters(timelines: Sequence[Timeline]) -> dict[str, float]:
 
 
 def run_systems(systems: Sequence[System], prompts: Sequence[list[int]], max_new_tokens: int,
-                reference: Sequence[Sequence[int]] | None, *, progress: bool = False) -> list[dict[str, Any]]:
+                reference: Sequence[Sequence[int]] | None, *, progress: bool = False,
+                rounds: int = 1) -> list[dict[str, Any]]:
     """Warm every system up, then time prompt by prompt, each prompt on every system in turn
-    (so a change in the shared machine's load hits all systems alike), then check greedy
-    equality. Unavailable peers and failures are the row's status, not the bench's end."""
+    (so a change in the shared machine's load hits all systems alike), `rounds` times over, then
+    check greedy equality (every round's outputs). A row's speed is its median round's, with every
+    round's tokens/s in `tokens_per_second_runs` (round i of every system ran in the same stretch of
+    time). Unavailable peers and failures are the row's status, not the bench's end."""
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
     rows = {s.name: {"system": s.name, "runtime": s.runtime, "lossless": s.lossless} for s in systems}
-    timelines: dict[str, list[Timeline]] = {s.name: [] for s in systems}
+    timelines: dict[str, list[list[Timeline]]] = {s.name: [[] for _ in range(rounds)] for s in systems}
     live = list(systems)
 
     def attempt(system: System, prompt: list[int], new_tokens: int) -> Timeline | None:
@@ -107,20 +112,23 @@ def run_systems(systems: Sequence[System], prompts: Sequence[list[int]], max_new
 
     for system in list(live):
         attempt(system, prompts[0], min(WARMUP_TOKENS, max_new_tokens))
-    for prompt in tqdm(prompts, desc="single stream", unit="prompt", disable=not progress):
+    jobs = [(r, prompt) for r in range(rounds) for prompt in prompts]
+    for r, prompt in tqdm(jobs, desc="single stream", unit="prompt", disable=not progress):
         for system in list(live):
             timeline = attempt(system, prompt, max_new_tokens)
             if timeline is not None:
-                timelines[system.name].append(timeline)
+                timelines[system.name][r].append(timeline)
     for system in live:
-        row = rows[system.name]
-        row.update(status="ok", **speed(timelines[system.name]))
-        row["outputs"] = [t.tokens for t in timelines[system.name]]
-        counters = summed_counters(timelines[system.name])
+        row, runs = rows[system.name], [speed(t) for t in timelines[system.name]]
+        middle = sorted(range(rounds), key=lambda i: runs[i]["tokens_per_second"] or 0.0)[(rounds - 1) // 2]
+        row.update(status="ok", **runs[middle], tokens_per_second_runs=[run["tokens_per_second"] for run in runs])
+        row["outputs"] = [t.tokens for t in timelines[system.name][0]]
+        counters = summed_counters(timelines[system.name][0])  # the first round: one pass over the prompts
         if counters:
             row["counters"] = counters
         if reference is not None and system.lossless:
-            row["greedy_check"] = greedy_check(row["outputs"], reference)
+            every = [t.tokens for r in range(rounds) for t in timelines[system.name][r]]
+            row["greedy_check"] = greedy_check(every, [*reference] * rounds)
     return list(rows.values())
 
 
