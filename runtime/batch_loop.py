@@ -38,7 +38,7 @@ from .kv_cache import Admission, Capacity, SlotCache
 from .kv_tiers import HostTier
 from .model_info import ModelInfo
 from .monitor import Monitor
-from .prefix_scheduler import Decision, SchedulerConfig, StepScheduler, survival
+from .prefix_scheduler import Decision, SchedulerConfig, StepScheduler
 from .proposer import DraftBlock
 from .recovery.resume import resumed_tokens
 from .recovery.snapshot import RequestSnapshot
@@ -215,9 +215,7 @@ class BatchEngine:
             begin = time.perf_counter()
         confidence = None if block is None or block.confidence_logits is None else torch.as_tensor(
             block.confidence_logits)
-        # Algorithm 1 and the gate read the same survivals: computed once (~30 µs a step at one request)
-        survivals = None if confidence is None or self.scheduler.mode not in ("dspark", "async") else survival(
-            confidence, self.scheduler.confidence_temperatures).numpy()
+        survivals = self.planner.survivals(confidence)  # read by Algorithm 1 and the gate alike
         # a probe under padded verification verifies anchors only: it is there for the drafted rows'
         # confidences (the gate's pool), and their drafts would pad every row to their width
         probe_only = plan is not None and plan.probe and self.scheduler.pricing == "padded"

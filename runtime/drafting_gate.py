@@ -87,6 +87,12 @@ MAX_ACCEPTANCE_SCALE = 1.5  # confidences that promise less than is accepted are
 DECLINE_STEPS = 8  # steps a "drafting does not pay" is reused while what it rests on has not moved
 
 
+def catch_up_price(normal: float, excess: int, rows: int, steps: int = 1) -> float:
+    """Seconds of drafting `rows` rows whose normal step costs `normal`, with `excess` context rows beyond a
+    normal step's to catch up, that share spread over `steps` steps (module docstring: catch-up)."""
+    return normal * (1.0 + CONTEXT_ROW_COST * excess / (rows * steps))
+
+
 @runtime_checkable
 class SplitStepCost(Protocol):
     """A step cost model that prices the drafter and the target separately."""
@@ -149,10 +155,10 @@ class DraftingGate:
         excess = int(self._excess(backlogs).sum())
         if not self._still_declined(requests, excess):
             normal = float(self.cost.draft_seconds(requests))
-            amortised = normal * (1.0 + CONTEXT_ROW_COST * excess / (requests * self.catch_up_steps))
+            amortised = catch_up_price(normal, excess, requests, self.catch_up_steps)
             if self.drafting_pays(requests, amortised, drafting=self._drafting):
-                self._declined, self._drafting = None, True  # the price is _price(backlogs), from what we have
-                return GatePlan(requests, every, normal * (1.0 + CONTEXT_ROW_COST * excess / requests), normal)
+                self._declined, self._drafting = None, True
+                return GatePlan(requests, every, catch_up_price(normal, excess, requests), normal)
             self._declined, self._declined_steps = (requests, self.pool_version, excess, normal), 0
         self._drafting = False
         normal = self._declined[3]
@@ -236,7 +242,7 @@ class DraftingGate:
     def _price(self, backlogs: np.ndarray) -> float:
         """Predicted seconds of drafting rows with these backlogs, catch-up included."""
         rows = len(backlogs)
-        return float(self.cost.draft_seconds(rows)) * (1.0 + CONTEXT_ROW_COST * self._excess(backlogs).sum() / rows)
+        return catch_up_price(float(self.cost.draft_seconds(rows)), int(self._excess(backlogs).sum()), rows)
 
     # -- after the step --------------------------------------------------------------------------
     def record(self, plan: GatePlan, confidence_logits: torch.Tensor | np.ndarray | None,
@@ -252,12 +258,10 @@ class DraftingGate:
             self.skipped += 1
             return
         self.skipped = 0
-        if survivals is not None or confidence_logits is not None:
-            if survivals is None:
-                logits = torch.as_tensor(confidence_logits)[torch.from_numpy(plan.rows)]
-                self.pool.extend(survival(logits, self.temperatures).numpy())
-            else:
-                self.pool.extend(survivals[plan.rows])
+        if survivals is None and confidence_logits is not None:
+            survivals = survival(torch.as_tensor(confidence_logits), self.temperatures).numpy()
+        if survivals is not None:
+            self.pool.extend(survivals[plan.rows])
             self._candidates = None
             self.pool_version += 1
 

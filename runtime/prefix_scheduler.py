@@ -220,6 +220,13 @@ class StepScheduler:
 
             self._async = AsyncScheduler(config.confidence_temperatures, padded=config.pricing == "padded")
 
+    def survivals(self, confidence_logits: torch.Tensor | None) -> np.ndarray | None:
+        """[R, γ] this step's survivals at the configured temperatures, computed once for every reader of the
+        step (Algorithm 1 and the drafting gate); None without confidences or in a mode that prices nothing."""
+        if confidence_logits is None or self.config.mode not in ("dspark", "async"):
+            return None
+        return survival(confidence_logits, self.config.confidence_temperatures).numpy()
+
     def capacity(self, requests: int) -> int | None:
         """At most how many draft tokens the next `decide` admits for `requests` rows, known before
         its drafts exist (mode `async` once warmed up); None when only the drafts can tell."""
