@@ -25,7 +25,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from dspark.export.artifacts import ArtifactError
 from dspark.export.engine_dir import is_engine_dir, load_engine_dir
 from dspark.export.manifest import read_manifest
 
@@ -37,16 +36,14 @@ from .kv_cache import Capacity
 from .kv_tiers import HostTier
 from .live_cost import LiveStepCost
 from .model_info import ModelInfo
+from .model_text import Prompt, Stop, TextMethods
 from .monitor import Monitor
 from .ort_backend import OrtBackend
 from .prefix_scheduler import SchedulerConfig
 from .profiling import profile_step_cost
 from .requests import RequestError, as_list, token_ids
 from .stats import EngineStats, RequestResult
-from .text import StopWatch, TextCodec, TextStream, check_stop_strings, cut_text
-
-Prompt = Sequence[int]
-Stop = Sequence[int | str] | str  # token ids and/or stop strings
+from .text import StopWatch, TextCodec, TextStream, cut_text
 
 
 @dataclass
@@ -68,7 +65,7 @@ class RuntimeOptions:
     host_kv_tokens: int = 0  # KV positions a host tier holds for requests swapped out under slot pressure (kv_tiers)
 
 
-class Runtime:
+class Runtime(TextMethods):
     """A model pair on an open backend. Close it (or use `with`) to release sessions or plans."""
 
     def __init__(self, backend: Backend, info: ModelInfo, options: RuntimeOptions | None = None,
@@ -170,43 +167,7 @@ class Runtime:
         finally:
             self._engine_free.release()
 
-    # -- text ---------------------------------------------------------------------------------
-    @property
-    def tokenizer(self) -> TextCodec:
-        """The pair's tokenizer (read on first use); ArtifactError naming tokenizer.json when it is
-        missing, unreadable or larger than the model's vocabulary."""
-        if self._codec is None:
-            codec = TextCodec.find(self.text_dirs)
-            if codec.vocab_size > self.info.vocab_size:
-                raise ArtifactError(codec.source, f"has {codec.vocab_size} tokens but the model's vocabulary has "
-                                                  f"{self.info.vocab_size}", "use the target's own tokenizer.json")
-            self._codec = codec
-        return self._codec
-
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text)
-
-    def decode(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(ids)
-
-    def chat_prompt(self, messages: object) -> list[int]:
-        """OpenAI-style messages -> prompt ids through the chat template; RequestError without one."""
-        return self.tokenizer.encode_chat(messages)
-
-    def prompt_ids(self, prompt: str | Prompt) -> list[int]:
-        """A text prompt encoded, or token ids as given."""
-        return self.encode(prompt) if isinstance(prompt, str) else prompt
-
-    def split_stop(self, stop: Stop) -> tuple[list[int], tuple[str, ...]]:
-        """`stop` as (token ids, stop strings); a lone string is one stop string."""
-        items = [stop] if isinstance(stop, str) else as_list(stop)
-        if not isinstance(items, Sequence):
-            raise RequestError(f"stop must be a sequence of token ids and/or strings, got {type(stop).__name__}")
-        strings = check_stop_strings([s for s in items if isinstance(s, str)])
-        if strings:
-            self.tokenizer  # noqa: B018 - stop strings need the tokenizer: fail now, before any work
-        return token_ids([s for s in items if not isinstance(s, str)], "stop"), strings
-
+    # -- text (tokenizer, encode, decode, chat_prompt, prompt_ids, split_stop: TextMethods) ----------------
     def text_result(self, result: RequestResult, stops: Sequence[str] = ()) -> TextResult:
         """`result` with its text (cut before the first stop string)."""
         fields = {name: getattr(result, name) for name in result.__dataclass_fields__}

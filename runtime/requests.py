@@ -6,6 +6,12 @@ from __future__ import annotations
 import math
 import operator
 from collections.abc import Collection, Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .model_text import TextMethods
+
+SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed takes
 
 
 class RequestError(ValueError):
@@ -86,3 +92,19 @@ def truncate_at_stop(tokens: list[int], stop: Collection[int], max_new_tokens: i
     point; with the finish reason "stop" or "length"."""
     hit = find_stop(tokens, stop, 0, max_new_tokens)
     return (tokens[:max_new_tokens], "length") if hit is None else (tokens[: hit + 1], "stop")
+
+
+def checked_request(text: TextMethods, prompt: str | Sequence[int], *, max_new_tokens: int, temperature: float,
+                    seed: int, stop: object, limit: int | None) -> tuple[list[int], list[int], tuple[str, ...]]:
+    """A request's checks that need no engine (RequestError): (prompt ids, stop ids, stop strings). `limit`:
+    the front end's cap on max_new_tokens."""
+    if limit is not None and isinstance(max_new_tokens, int) and max_new_tokens > limit:
+        raise RequestError(f"max_new_tokens {max_new_tokens} exceeds this server's limit {limit}")
+    if isinstance(seed, bool) or not isinstance(seed, int) or not SEED_RANGE[0] <= seed < SEED_RANGE[1]:
+        raise RequestError(f"seed must be an integer in [-2**63, 2**64), got {seed!r:.40}")
+    info = text.info
+    stop_ids, strings = text.split_stop(stop)
+    ids = validate_request(text.prompt_ids(prompt), vocab_size=info.vocab_size, max_positions=info.max_positions,
+                           max_new_tokens=max_new_tokens, temperature=temperature)
+    stop_set(stop_ids, info.vocab_size)
+    return ids, stop_ids, strings

@@ -286,16 +286,20 @@ def table(phases: list[Phase]) -> str:
 
 def timed(run, *args: object, server: psutil.Process | None = None) -> tuple[Phase, dict]:
     """run(*args) with the CPU seconds it took in this process (and in the server's, when given)."""
-    def cpu(proc: psutil.Process) -> float:
-        times = proc.cpu_times()
-        return times.user + times.system
+    def cpu(proc: psutil.Process, children: bool = False) -> float:  # a server's: with its engine process
+        total = 0.0
+        for p in [proc, *(proc.children(recursive=True) if children else ())]:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                times = p.cpu_times()
+                total += times.user + times.system
+        return total
 
     me = psutil.Process()
-    mine, theirs = cpu(me), cpu(server) if server is not None else 0.0
+    mine, theirs = cpu(me), cpu(server, True) if server is not None else 0.0
     phase, outputs = run(*args)
     phase.cpu_seconds = cpu(me) - mine
     if server is not None:
-        phase.server_cpu_seconds = cpu(server) - theirs
+        phase.server_cpu_seconds = cpu(server, True) - theirs
     return phase, outputs
 
 
@@ -330,8 +334,10 @@ def summarise(repeats: list[list[Phase]]) -> list[Phase]:
 @click.option("--client", "http_clients", default="raw", show_default=True,
               help="HTTP clients to run, comma-separated: raw (asyncio, keep-alive), httpx.")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=str), help="Also write the rows here.")
-@click.option("--serve-args", default="", help="More `dspark serve` options for the http system, e.g. "
-              "'--replicas 1' (the engine in a Ray replica process, the HTTP front end in the server's).")
+@click.option("--serve-args", multiple=True, default=[""], show_default=True,
+              help="More `dspark serve` options for the http system, e.g. '--engine-process' (the engine loop in "
+              "a process of its own) or '--replicas 1' (in a Ray replica process). Give it more than once to run "
+              "one server per value, interleaved in the same rounds.")
 def main(engine_dir, clients, min_requests, per_client, max_tokens, repeats, http_clients, json_out,
          serve_args) -> None:
     """Server overhead: TTFT and tok/s through HTTP vs the engine driven directly."""
@@ -352,21 +358,29 @@ def main(engine_dir, clients, min_requests, per_client, max_tokens, repeats, htt
     counts = [int(c) for c in clients.split(",") if c.strip()]
     slots, seq_len = max(counts), 256
     phases: list[Phase] = []
-    with running_server(engine_dir, slots, seq_len, max_tokens, shlex.split(serve_args)) as (url, server), \
-            Runtime.load(engine_dir, RuntimeOptions(max_requests=slots, max_seq_len=seq_len)) as runtime:
+    with contextlib.ExitStack() as stack:
+        servers = [(args, *stack.enter_context(running_server(engine_dir, slots, seq_len, max_tokens,
+                                                                 shlex.split(args)))) for args in serve_args]
+        runtime = stack.enter_context(Runtime.load(engine_dir, RuntimeOptions(max_requests=slots, max_seq_len=seq_len)))
         prompts = [runtime.encode(p) for p in PROMPTS]
         stop = runtime.info.eos_token_ids
         warm = jobs(2, 1, prompts)
         run_direct(runtime, warm, max_tokens, stop), run_service(runtime, warm, max_tokens, stop)
         for name in names:
-            CLIENTS[name](url, warm, max_tokens)
+            for _, url, _ in servers:
+                CLIENTS[name](url, warm, max_tokens)
         for count in counts:
             work = jobs(count, max(per_client, -(-min_requests // count)), prompts)
             rounds = []
             for _ in range(repeats):
                 done = [timed(run_direct, runtime, work, max_tokens, stop),
                         timed(run_service, runtime, work, max_tokens, stop)]
-                done += [timed(CLIENTS[name], url, work, max_tokens, server=server) for name in names]
+                for args, url, server in servers:
+                    for name in names:
+                        phase, outputs = timed(CLIENTS[name], url, work, max_tokens, server=server)
+                        if len(servers) > 1 and args:
+                            phase.system += f" [{args}]"
+                        done.append((phase, outputs))
                 differ = sum(done[0][1][key] != out[key] for _, out in done[1:] for key in done[0][1])
                 if differ:  # greedy: only float noise between batch compositions could do this
                     click.echo(f"warning: {differ} outputs differ from the direct engine's at {count} clients",
@@ -375,8 +389,9 @@ def main(engine_dir, clients, min_requests, per_client, max_tokens, repeats, htt
                 click.echo(f"{count} clients: " + ", ".join(f"{p.system} {p.tokens_per_second:.0f} tok/s"
                                                              for p, _ in done), err=True)
             phases += summarise(rounds)
+    shown = [args for args in serve_args if args]
     click.echo(f"engine {engine_dir}; greedy, {max_tokens} new tokens, closed-loop clients, {repeats} repeat(s)"
-               + (f"; dspark serve {serve_args}" if serve_args else "") + "\n")
+               + (f"; dspark serve {' | '.join(shown)}" if shown else "") + "\n")
     click.echo(table(phases))
     if json_out:
         Path(json_out).write_text(json.dumps([{**p.row(), "ttft_seconds": p.ttft} for p in phases], indent=1))

@@ -52,16 +52,22 @@ _LOOPBACK = ("127.0.0.1", "localhost", "::1")
                                     "default: start a local one.")
 @click.option("--cpus-per-replica", default=1.0, show_default=True, type=click.FloatRange(min=0),
               help="With --replicas: Ray CPUs each engine replica reserves.")
+@click.option("--engine-process/--in-process-engine", default=False, show_default=True,
+              help="Run the engine loop in a process of its own (the HTTP front end and the engine's Python on two "
+                   "cores instead of one interpreter lock); not with --journal.")
 @click.option("--threads", type=click.IntRange(min=0), help="ONNX Runtime intra-op threads (0: every core; "
               "default: the engine's own count, the one its SPS table was measured with).")
 def serve(engine_dir, host, port, api_key, max_queue, max_tokens_per_request, max_requests, max_seq_len,
           max_body_bytes, model_name, scheduler, log_level, replicas, routing, ray_address, cpus_per_replica,
-          journal_dir, journal_fsync, host_kv_tokens, threads) -> None:
+          journal_dir, journal_fsync, host_kv_tokens, engine_process, threads) -> None:
     """Serve /v1/completions and /v1/chat/completions (OpenAI protocol), /metrics and /dashboard."""
     try:
         import uvicorn  # noqa: F401 - fail now, with the fix, not after loading the engine
     except ImportError:
         raise click.ClickException("the server needs uvicorn and starlette: pip install 'dspark[serve]'") from None
+    if engine_process and (journal_dir or replicas):
+        raise click.UsageError("--engine-process runs one engine without a journal: leave out --journal and "
+                               "--replicas (which runs its engines in Ray processes)")
     if replicas and journal_dir:
         raise click.UsageError("--journal keeps one in-process engine's requests; with --replicas there is no "
                                "replica snapshot store yet (docs/recovery.md)")
@@ -95,10 +101,14 @@ def serve(engine_dir, host, port, api_key, max_queue, max_tokens_per_request, ma
         except ImportError as exc:
             raise click.ClickException(str(exc)) from None
         return
-    from dspark.tools.serve_engine import serve_runtime
+    from dspark.tools.serve_engine import serve_engine_process, serve_runtime
 
     config = ServerConfig(model_name=model_name, api_key=api_key, max_body_bytes=max_body_bytes,
                           max_tokens_per_request=max_tokens_per_request)
+    if engine_process:
+        serve_engine_process(engine_dir, options, threads, config, host=host, port=port, max_queue=max_queue,
+                             log_level=log_level)
+        return
     try:
         runtime = Runtime.load(engine_dir, options, threads=threads)
     except ValueError as exc:

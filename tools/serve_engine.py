@@ -1,11 +1,14 @@
-"""One engine service in this process behind the HTTP app, under uvicorn: what `dspark serve` runs once its
-engine is loaded (tests run it on their own runtimes), with the request journal when given one."""
+"""One engine service behind the HTTP app, under uvicorn: what `dspark serve` runs once its engine is loaded
+(tests run it on their own runtimes), in this process (with the request journal when given one) or in a
+process of its own (`--engine-process`)."""
 
 from __future__ import annotations
 
+import functools
+
 import click
 
-from dspark.runtime.api import Runtime
+from dspark.runtime.api import Runtime, RuntimeOptions
 from dspark.runtime.serving.app import ServerConfig
 
 
@@ -14,9 +17,6 @@ def serve_runtime(runtime: Runtime, config: ServerConfig, *, host: str, port: in
                   source: str = "") -> None:
     """Serve `runtime` until interrupted. With `journal_dir`, the requests an earlier server left there resume
     first (one line on stderr says how many, and one per damaged record)."""
-    import uvicorn
-
-    from dspark.runtime.serving.app import create_app
     from dspark.runtime.serving.service import EngineService
 
     store = None
@@ -32,13 +32,40 @@ def serve_runtime(runtime: Runtime, config: ServerConfig, *, host: str, port: in
                        f"{len(r.finished)} finished streams", err=True)
             for problem in r.problems:
                 click.echo(f"dspark serve: journal: {problem}", err=True)
-        app = create_app(service, config)
-        shown = f"[{host}]" if ":" in host else host
-        click.echo(f"dspark serve: model '{config.model_name}' from {source} on http://{shown}:{port} "
-                   "(/v1/completions, /v1/chat/completions, /metrics, /dashboard)", err=True)
-        uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,
-                    limit_concurrency=max_queue + runtime.options.max_requests + 64)
+        _serve(service, config, host=host, port=port, max_queue=max_queue, log_level=log_level, source=source,
+               slots=runtime.options.max_requests)
     finally:
         service.close()
         if store is not None:
             store.close()
+
+
+def serve_engine_process(engine_dir: str, options: RuntimeOptions, threads: int | None, config: ServerConfig, *,
+                         host: str, port: int, max_queue: int = 1024, log_level: str = "info") -> None:
+    """Serve the engine in `engine_dir` from a process of its own until interrupted."""
+    from dspark.runtime.serving.process_service import EngineProcessFailed, ProcessService
+
+    try:
+        service = ProcessService(functools.partial(Runtime.load, engine_dir, options, threads=threads),
+                                 max_queue=max_queue, max_new_tokens=config.max_tokens_per_request)
+    except EngineProcessFailed as exc:
+        raise click.ClickException(f"the engine process could not open {engine_dir}: {exc}") from None
+    try:
+        _serve(service, config, host=host, port=port, max_queue=max_queue, log_level=log_level,
+               source=f"{engine_dir} (engine process {service.pid})", slots=options.max_requests)
+    finally:
+        service.close()
+
+
+def _serve(service, config: ServerConfig, *, host: str, port: int, max_queue: int, log_level: str, source: str,
+           slots: int) -> None:
+    import uvicorn
+
+    from dspark.runtime.serving.app import create_app
+
+    app = create_app(service, config)
+    shown = f"[{host}]" if ":" in host else host
+    click.echo(f"dspark serve: model '{config.model_name}' from {source} on http://{shown}:{port} "
+               "(/v1/completions, /v1/chat/completions, /metrics, /dashboard)", err=True)
+    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,
+                limit_concurrency=max_queue + slots + 64)

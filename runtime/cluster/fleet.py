@@ -20,13 +20,12 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import fields
-from pathlib import Path
 from typing import Any
 
 from ..kv_cache import Admission, Capacity
+from ..model_text import ModelText
 from ..requests import RequestError, stop_set, validate_request
 from ..serving.handle import LoadSnapshot, ServiceClosed
-from ..text import TextCodec
 from .remote_request import FleetFull, RemoteRequest
 from .replica import ReplicaInfo, ReplicaReport
 from .routing import NoReplica, ReplicaLoad, RequestCost, Router
@@ -34,21 +33,6 @@ from .routing import NoReplica, ReplicaLoad, RequestCost, Router
 log = logging.getLogger("dspark.cluster")
 POLL_INTERVAL = 0.05  # seconds between load polls of every replica
 POLL_TIMEOUT = 2.0  # a replica that does not answer a poll within this is down
-
-
-class FleetRuntime:
-    """What the app reads of `service.runtime`: the model info and the tokenizer (from the replicas' text
-    folders, which the ingress must see too: the same paths on a shared filesystem or every node)."""
-
-    def __init__(self, info: Any, text_dirs: Sequence[str]) -> None:
-        self.info, self.text_dirs = info, tuple(Path(d) for d in text_dirs)
-        self._codec: TextCodec | None = None
-
-    @property
-    def tokenizer(self) -> TextCodec:
-        if self._codec is None:
-            self._codec = TextCodec.find(self.text_dirs)
-        return self._codec
 
 
 class Replica:
@@ -88,7 +72,7 @@ class Fleet:
         first = replicas[0].info
         self.replicas, self.router, self.poll_interval, self.keeper = replicas, router, poll_interval, keeper
         self.migrated = self.diverged = 0  # requests moved off a dead replica; moved ones that failed the check
-        self.runtime = FleetRuntime(first.info, first.text_dirs)
+        self.runtime = ModelText(first.info, first.text_dirs)  # the replicas' text folders: the same paths here
         self.max_new_tokens = first.max_new_tokens
         self.rejected = 0
         self._admission = Admission(Capacity(first.max_requests, first.max_tokens, first.max_seq_len))

@@ -19,7 +19,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-SEED_RANGE = (-(2**63), 2**64)
+from ..requests import SEED_RANGE
+
 MAX_STOP, MAX_STOP_CHARS, MAX_JSON_DEPTH = 16, 256, 64
 
 

@@ -23,13 +23,14 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 
-from ..api import Runtime, Stop, finish_at_stop_strings
+from ..api import Runtime, finish_at_stop_strings
 from ..batch_loop import BatchEngine
+from ..model_text import Stop
 from ..recovery.engine_state import restore_engine_state
 from ..recovery.resume import resumed_tokens
 from ..recovery.service_journal import ServiceJournal
 from ..recovery.snapshot import RequestSnapshot, SnapshotStore
-from ..requests import RequestError, stop_set, validate_request
+from ..requests import RequestError, checked_request, stop_set, validate_request
 from ..stats import RequestResult, StepRecord
 from ..text import StopWatch
 from .handle import (
@@ -47,9 +48,9 @@ __all__ = ["EngineService", "LoadSnapshot", "QueueFull", "RequestFailed", "Reque
            "ServiceClosed"]
 
 log = logging.getLogger("dspark.serving")
-SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed takes
 StepListener = Callable[[StepRecord, LoadSnapshot], None]
 FinishListener = Callable[[RequestResult, RequestTimings], None]
+TurnListener = Callable[[StepRecord | None, LoadSnapshot, list[RequestHandle], list[RequestHandle]], None]
 
 
 class EngineService:
@@ -73,6 +74,9 @@ class EngineService:
         self._watches: dict[int, StopWatch] = {}
         self._step_listeners: list[StepListener] = []
         self._finish_listeners: list[FinishListener] = []
+        self._turn_listeners: list[TurnListener] = []
+        self._moved: list[RequestHandle] = []  # this turn's handles that got tokens / ended (turn listeners only)
+        self._ended: list[RequestHandle] = []
         self._listener_errors = 0
         self._ids = itertools.count()
         self._counts = dict.fromkeys(("submitted", "finished", "cancelled", "failed", "steps"), 0)
@@ -93,15 +97,10 @@ class EngineService:
         """Validate and queue one request (token ids or text; `stop` token ids and/or strings). Raises
         RequestError / CapacityError for a request the engine cannot serve, QueueFull past the queue limit,
         ServiceClosed after close(). Same seed, same output as `Runtime.generate`."""
-        if self.max_new_tokens is not None and isinstance(max_new_tokens, int) and max_new_tokens > self.max_new_tokens:
-            raise RequestError(f"max_new_tokens {max_new_tokens} exceeds this server's limit {self.max_new_tokens}")
-        if isinstance(seed, bool) or not isinstance(seed, int) or not SEED_RANGE[0] <= seed < SEED_RANGE[1]:
-            raise RequestError(f"seed must be an integer in [-2**63, 2**64), got {seed!r:.40}")
-        engine, info = self.engine, self.runtime.info
-        stop_ids, strings = self.runtime.split_stop(stop)
-        ids = validate_request(self.runtime.prompt_ids(prompt), vocab_size=info.vocab_size,
-                               max_positions=info.max_positions, max_new_tokens=max_new_tokens, temperature=temperature)
-        stop_set(stop_ids, info.vocab_size)
+        ids, stop_ids, strings = checked_request(self.runtime, prompt, max_new_tokens=max_new_tokens,
+                                                 temperature=temperature, seed=seed, stop=stop,
+                                                 limit=self.max_new_tokens)
+        engine = self.engine
         engine.admission.check_servable(engine.positions_needed(len(ids), max_new_tokens))
         with self._lock:
             if self._stop.is_set():
@@ -171,6 +170,12 @@ class EngineService:
         """fn(result, timings) on the loop thread when a request ends (finish reason "error" when it failed)."""
         self._finish_listeners.append(fn)
 
+    def add_turn_listener(self, fn: TurnListener) -> None:
+        """fn(record or None, snapshot, moved, ended) on the loop thread after every turn of the loop in which a
+        step ran or a request got tokens or ended: the handles that got new tokens (`_tokens`) and those that
+        ended (`_result`, `_error`), each once. What a relay to another process sends (process_engine.py)."""
+        self._turn_listeners.append(fn)
+
     @property
     def alive(self) -> bool:
         return self._thread.is_alive()
@@ -206,6 +211,9 @@ class EngineService:
                 self._snapshot = self._measure()
                 if record is not None:
                     self._notify(self._step_listeners, record, self._snapshot)
+                if self._turn_listeners and (record is not None or self._moved or self._ended):
+                    moved, ended, self._moved, self._ended = self._moved, self._ended, [], []
+                    self._notify(self._turn_listeners, record, self._snapshot, moved, ended)
                 if self.engine.idle and not self._inbox and not self._cancels:
                     self._wake.wait(self.idle_wait)
         except BaseException:  # a bug in the service itself: say so, then fail everyone rather than hang
@@ -328,6 +336,8 @@ class EngineService:
             handle = self._handles.get(request_id)
             if handle is not None and handle._push(tokens, now):
                 collect_wake(woken, handle)
+                if self._turn_listeners:
+                    self._moved.append(handle)
         for request_id, result in done.items():
             handle = self._handles.pop(request_id, None)
             if handle is not None:
@@ -337,6 +347,8 @@ class EngineService:
     def _end(self, handle: RequestHandle, result: RequestResult, now: float, error: BaseException | None = None,
              woken: dict | None = None) -> None:
         handle._finish(result, now, error)
+        if self._turn_listeners:
+            self._ended.append(handle)
         if self.journal is not None:
             self.journal.ended(handle)
         with self._lock:

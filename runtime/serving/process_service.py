@@ -1,0 +1,253 @@
+"""`ProcessService`: the engine service with its decode loop in a process of its own (process_engine.py),
+shaped like `EngineService` for the OpenAI app and for Python callers: `submit` (checked here, so a bad
+request raises in the caller's thread), the handles' `stream` / `astream` / `result` / `cancel`, `room`,
+`snapshot`, the step and finish listeners (run here, on the thread that reads the engine's messages), `alive`,
+`close`. Same seed, same tokens as `Runtime.generate`.
+
+The front end holds no sessions: the model info and the tokenizer (`ModelText`) and its own ledger of the
+requests in flight. If the engine process dies, every request in flight fails with RequestFailed naming its
+exit code and `alive` turns False (the server's /health answers 503).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import multiprocessing
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import replace
+
+import torch
+
+from ..api import Runtime
+from ..kv_cache import Admission, Capacity
+from ..model_text import ModelText, Stop
+from ..requests import checked_request
+from ..stats import RequestResult, StepRecord
+from .handle import LoadSnapshot, QueueFull, RequestFailed, RequestHandle, ServiceClosed, collect_wake, wake_loops
+from .process_engine import EngineLimits, run_engine_process
+from .service import FinishListener, StepListener
+
+log = logging.getLogger("dspark.serving")
+
+
+class EngineProcessFailed(RuntimeError):
+    """The engine process could not open its runtime (the message is its error), or it did not come up."""
+
+
+class _Options:
+    """What the app and the metrics read of `runtime.options`: the scheduler (its STS temperatures)."""
+
+    def __init__(self, limits: EngineLimits) -> None:
+        self.scheduler, self.max_requests = limits.scheduler, limits.max_requests
+
+
+class ProcessService:
+    """An engine service whose loop runs in a spawned process. `open_runtime` is called there (picklable:
+    e.g. `functools.partial(Runtime.load, engine_dir, options, threads=1)`). Close it (or use `with`)."""
+
+    def __init__(self, open_runtime: Callable[[], Runtime], *, max_queue: int = 1024,
+                 max_new_tokens: int | None = None, start_timeout: float = 600.0) -> None:
+        self.max_queue, self.max_new_tokens = max_queue, max_new_tokens
+        self.journal = self.recovered = None  # the request journal runs with the in-process EngineService only
+        context = multiprocessing.get_context("spawn")  # forking a process with ORT / torch threads is unsafe
+        commands_in, self._commands = context.Pipe(duplex=False)
+        self._messages, messages_out = context.Pipe(duplex=False)
+        # The engine's queue limit is ours: our count (its last queue + what we sent since) is never below its own.
+        self._process = context.Process(target=run_engine_process, name="dspark-engine", daemon=True,
+                                        args=(open_runtime, commands_in, messages_out, max_queue, max_new_tokens))
+        self._process.start()
+        commands_in.close()
+        messages_out.close()
+        self.limits = self._await_ready(start_timeout)
+        limits = self.limits
+        self.runtime = ModelText(limits.info, limits.text_dirs, _Options(limits))
+        self._admission = Admission(Capacity(limits.max_requests, limits.max_tokens, limits.max_seq_len))
+        self._lock = threading.Lock()  # the ledger, the counters, the commands pipe
+        self._handles: dict[int, RequestHandle] = {}  # front id -> handle, until its end arrives
+        self._ids = itertools.count()
+        self._submitted = 0
+        self._closed = False
+        self._snapshot = LoadSnapshot(time=time.monotonic(), queued=0, running=0, slots_total=limits.max_requests,
+                                      kv_tokens_reserved=0, kv_tokens_used=0, kv_tokens_capacity=limits.max_tokens,
+                                      steps=0, submitted=0, finished=0, cancelled=0, failed=0, max_queue=max_queue)
+        self._step_listeners: list[StepListener] = []
+        self._finish_listeners: list[FinishListener] = []
+        self._reader = threading.Thread(target=self._read, name="dspark-engine-reader", daemon=True)
+        self._reader.start()
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid
+
+    # -- any thread -------------------------------------------------------------------------------
+    def submit(self, prompt: str | list[int], *, max_new_tokens: int, temperature: float = 0.0, seed: int = 0,
+               stop: Stop = ()) -> RequestHandle:
+        """As `EngineService.submit`: RequestError / CapacityError, QueueFull, ServiceClosed in this thread."""
+        ids, stop_ids, strings = checked_request(self.runtime, prompt, max_new_tokens=max_new_tokens,
+                                                 temperature=temperature, seed=seed, stop=stop,
+                                                 limit=self.max_new_tokens)
+        self._admission.check_servable(len(ids) + max_new_tokens + self.limits.reserve_extra)
+        with self._lock:
+            if self._closed or not self.alive:
+                raise ServiceClosed("the engine service is closed" if self._closed else
+                                    f"the engine process exited (code {self._process.exitcode})")
+            waiting = self._waiting()
+            if waiting >= self.max_queue:
+                raise QueueFull(waiting, self.max_queue)
+            front_id = next(self._ids)
+            handle = RequestHandle(self, front_id, ids, max_new_tokens=max_new_tokens, temperature=float(temperature),
+                                   seed=seed, stop_ids=stop_ids, stop_strings=strings)
+            fields = dict(prompt=ids, max_new_tokens=max_new_tokens, temperature=float(temperature), seed=seed,
+                          stop=[*stop_ids, *strings])
+            try:
+                self._commands.send(("submit", front_id, fields))
+            except OSError:  # the engine process is gone (the reader is about to say so)
+                raise ServiceClosed(f"the engine process exited (code {self._process.exitcode})") from None
+            self._handles[front_id] = handle
+            self._submitted += 1
+        return handle
+
+    def room(self, prompt_len: int) -> int:
+        """As `EngineService.room`, from the engine's limits."""
+        limits = self.limits
+        room = min(limits.max_seq_len, limits.max_tokens) - (prompt_len + limits.reserve_extra)
+        room = min(room, limits.info.max_positions - prompt_len)
+        return room if self.max_new_tokens is None else min(room, self.max_new_tokens)
+
+    def snapshot(self) -> LoadSnapshot:
+        """The engine's load as of its last turn; the queue counts what is in the pipe too."""
+        with self._lock:
+            return replace(self._snapshot, queued=self._waiting(), submitted=self._submitted)
+
+    def add_step_listener(self, fn: StepListener) -> None:
+        """fn(record, snapshot) after every engine step, on this side's reader thread."""
+        self._step_listeners.append(fn)
+
+    def add_finish_listener(self, fn: FinishListener) -> None:
+        """fn(result, timings) when a request ends (timings as seen here), on the reader thread."""
+        self._finish_listeners.append(fn)
+
+    @property
+    def alive(self) -> bool:
+        return self._reader.is_alive() and self._process.is_alive()
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop the engine process; requests not finished end with ServiceClosed."""
+        with self._lock:
+            self._closed = True
+            with contextlib.suppress(OSError):  # already gone
+                self._commands.send(("close",))
+        self._process.join(timeout)
+        if self._process.is_alive():
+            self._process.terminate()
+            self._process.join(timeout)
+        self._reader.join(timeout)
+
+    def __enter__(self) -> ProcessService:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _request_cancel(self, handle: RequestHandle) -> None:
+        with self._lock:
+            if handle.id in self._handles and not self._closed:
+                with contextlib.suppress(OSError):  # the engine is gone; the reader fails the request
+                    self._commands.send(("cancel", handle.id))
+
+    def _waiting(self) -> int:
+        """Queued in the engine at its last turn, plus submitted since (still in the pipe or its inbox)."""
+        return self._snapshot.queued + self._submitted - self._snapshot.submitted
+
+    # -- start-up and the reader thread -------------------------------------------------------------
+    def _await_ready(self, timeout: float) -> EngineLimits:
+        deadline = time.monotonic() + timeout
+        while not self._messages.poll(0.1):
+            if not self._process.is_alive():
+                raise EngineProcessFailed(f"the engine process exited (code {self._process.exitcode}) before it "
+                                          "was ready")
+            if time.monotonic() > deadline:
+                self._process.terminate()
+                raise EngineProcessFailed(f"the engine process was not ready within {timeout:.0f} s")
+        try:
+            message = self._messages.recv()
+        except EOFError:
+            self._process.join(10)
+            raise EngineProcessFailed(f"the engine process exited (code {self._process.exitcode}) before it was "
+                                      "ready (a script that starts one needs `if __name__ == '__main__':`)") from None
+        if message[0] != "ready":
+            self._process.join(10)
+            raise EngineProcessFailed(message[1])
+        return message[1]
+
+    def _read(self) -> None:
+        try:
+            while True:
+                message = self._messages.recv()
+                if message[0] == "turn":
+                    self._turn(*message[1:])
+                elif message[0] == "refused":
+                    self._refused(message[1], message[2])
+        except (EOFError, OSError):
+            pass
+        except Exception:
+            log.exception("reading the engine process's messages failed")
+        finally:
+            self._fail_all()
+
+    def _turn(self, record: StepRecord | None, snapshot: LoadSnapshot, tokens: list, ends: list) -> None:
+        now, woken = time.monotonic(), {}
+        with self._lock:
+            self._snapshot = snapshot
+            moved = [(self._handles.get(front_id), new) for front_id, new in tokens]
+            done = [(self._handles.pop(front_id, None), result, error) for front_id, result, error in ends]
+        for handle, new in moved:
+            if handle is not None and handle._push(handle._tokens + new, now):
+                collect_wake(woken, handle)
+        for handle, result, error in done:
+            if handle is not None:
+                handle._finish(result, now, error)
+                collect_wake(woken, handle)
+                self._notify(self._finish_listeners, result, handle.timings)
+        wake_loops(woken)
+        if record is not None:
+            if record.confidence_logits is not None:
+                record.confidence_logits = torch.from_numpy(record.confidence_logits)
+            self._notify(self._step_listeners, record, snapshot)
+
+    def _refused(self, front_id: int, error: BaseException) -> None:
+        with self._lock:
+            handle = self._handles.pop(front_id, None)
+        if handle is not None:  # our queue count let it through, the engine's did not: a race at the limit
+            self._end(handle, RequestFailed(f"the engine refused the request: {error}"))
+
+    def _fail_all(self) -> None:
+        with self._lock:
+            handles, self._handles = list(self._handles.values()), {}
+            closed = self._closed
+        if not closed:
+            self._process.join(5)  # the pipe closes a moment before the exit code is there
+        code = self._process.exitcode
+        error = ServiceClosed("the engine service is closed") if closed else RequestFailed(
+            f"the engine process exited (code {code})")
+        if not closed:
+            log.error("the dspark engine process exited (code %s); %d requests in flight failed", code, len(handles))
+        for handle in handles:
+            self._end(handle, error)
+
+    def _end(self, handle: RequestHandle, error: BaseException) -> None:
+        result = RequestResult(-1, handle.prompt_ids, handle.tokens(), finish_reason="error")
+        handle._finish(result, time.monotonic(), error)
+        wake_loops(collect_wake({}, handle))
+        self._notify(self._finish_listeners, result, handle.timings)
+
+    def _notify(self, listeners: list, *args: object) -> None:
+        for fn in listeners:
+            try:
+                fn(*args)
+            except Exception:
+                log.exception("serving listener %r raised", fn)

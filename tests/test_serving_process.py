@@ -1,0 +1,185 @@
+"""The engine service with its loop in a process of its own (`ProcessService`): concurrent clients get exactly
+`Runtime.generate`'s outputs, bad requests raise in the caller's thread, the queue limit holds, cancel frees the
+slot, the metrics hear every step and end, the OpenAI app serves it unchanged, and a dead engine process fails
+its requests and the service (never hangs them)."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import os
+import signal
+import threading
+import time
+
+import openai
+import pytest
+from test_serving_support import COST, running_server, tiny_pair
+
+from dspark.runtime.api import Runtime, RuntimeOptions
+from dspark.runtime.kv_cache import CapacityError
+from dspark.runtime.prefix_scheduler import SchedulerConfig
+from dspark.runtime.requests import RequestError
+from dspark.runtime.serving.app import ServerConfig, create_app
+from dspark.runtime.serving.metrics import ServingMetrics
+from dspark.runtime.serving.process_service import EngineProcessFailed, ProcessService
+from dspark.runtime.serving.service import QueueFull, RequestFailed, ServiceClosed
+
+PROMPTS = [[67, 24, 319, 84, 473], [5, 6, 7], [100, 200, 300, 400, 8, 9, 10], [42], [7, 7, 7, 7]]
+
+
+def opener(root, *, max_requests: int = 8):
+    """A picklable way to open the tiny pair (`fixed` γ, no live cost: sampled tokens do not depend on the batch
+    or on timing, so they compare token for token with `Runtime.generate`)."""
+    target, drafter = tiny_pair(root)
+    options = RuntimeOptions(scheduler=SchedulerConfig("fixed"), max_requests=max_requests, max_seq_len=256,
+                             live_cost=False)
+    return functools.partial(Runtime.from_checkpoints, target, drafter, options, cost_model=COST)
+
+
+def collect(handle) -> list[int]:
+    return [t for chunk in handle.stream(timeout=60) for t in chunk]
+
+
+def wait_for(predicate, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.005)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """(opener, a Runtime of the same pair in this process: the reference outputs)."""
+    open_runtime = opener(tmp_path_factory.mktemp("process"))
+    with open_runtime() as rt:
+        yield open_runtime, rt
+
+
+@pytest.fixture(scope="module")
+def service(pair):
+    with ProcessService(pair[0], max_new_tokens=200) as running:
+        yield running
+
+
+def test_threads_and_tasks_get_runtime_generate_outputs(pair, service):
+    _, rt = pair
+    cases = [(p, t, seed) for p in PROMPTS for t, seed in ((0.0, 0), (0.9, 11), (1.3, 12))]
+    expected = [rt.generate(p, max_new_tokens=20, temperature=t, seed=s)[0] for p, t, s in cases]
+    got: dict[int, list[int]] = {}
+
+    def client(i: int) -> None:
+        p, t, s = cases[i]
+        got[i] = collect(service.submit(p, max_new_tokens=20, temperature=t, seed=s))
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(0, len(cases), 2)]
+    for thread in threads:
+        thread.start()
+
+    async def tasks() -> None:
+        async def one(i: int) -> None:
+            p, t, s = cases[i]
+            handle = service.submit(p, max_new_tokens=20, temperature=t, seed=s)
+            got[i] = [t for chunk in [c async for c in handle.astream()] for t in chunk]
+            result = handle.result(0)
+            assert result.tokens == expected[i].tokens and result.finish_reason == expected[i].finish_reason
+            assert result.acceptance_lengths == expected[i].acceptance_lengths
+
+        await asyncio.gather(*(one(i) for i in range(1, len(cases), 2)))
+
+    asyncio.run(tasks())
+    for thread in threads:
+        thread.join(60)
+    assert [got[i] for i in range(len(cases))] == [e.tokens for e in expected]
+
+
+def test_stop_strings_and_text_prompts_end_where_runtime_generate_does(pair, service):
+    _, rt = pair
+    stop = ["\n", *rt.info.eos_token_ids]
+    (expected,) = rt.generate("def parse_args(", max_new_tokens=40, temperature=0.0, stop=stop)
+    handle = service.submit("def parse_args(", max_new_tokens=40, stop=stop)
+    assert collect(handle) == expected.tokens and handle.result(0).finish_reason == expected.finish_reason
+
+
+def test_bad_requests_raise_in_the_callers_thread(service):
+    before = service.snapshot().submitted
+    with pytest.raises(RequestError, match="token id"):
+        service.submit([5, 10**6], max_new_tokens=4)
+    with pytest.raises(RequestError, match="seed"):
+        service.submit([5], max_new_tokens=4, seed="x")
+    with pytest.raises(RequestError, match="limit 200"):
+        service.submit([5], max_new_tokens=201)
+    with pytest.raises(CapacityError):
+        service.submit([5] * 200, max_new_tokens=100)
+    assert service.room(10) == min(256 - 10 - service.limits.reserve_extra, 200)
+    assert service.snapshot().submitted == before and service.alive
+
+
+def test_cancel_frees_the_slot(service):
+    handle = service.submit([5, 6, 7], max_new_tokens=200)
+    wait_for(lambda: len(handle.tokens()) > 0)
+    handle.cancel()
+    result = handle.result(30)
+    assert result.finish_reason == "cancelled" and len(result.tokens) < 200
+    wait_for(lambda: service.snapshot().running == 0)
+
+
+def test_metrics_hear_every_step_and_end(pair):
+    with ProcessService(pair[0]) as service:
+        metrics = ServingMetrics(service)
+        handles = [service.submit(p, max_new_tokens=12) for p in PROMPTS]
+        results = [h.result(60) for h in handles]
+        wait_for(lambda: metrics.quality_state()["totals"]["finished"] == len(PROMPTS))
+        totals = metrics.quality_state()["totals"]
+        assert totals["generation_tokens"] == sum(len(r.tokens) for r in results)
+        assert totals["steps"] == service.snapshot().steps > 0
+        assert totals["committed"] >= totals["generation_tokens"]
+        assert b"dspark:time_to_first_token_seconds_count" in metrics.render()[0]
+
+
+def test_queue_limit_holds(pair):
+    with ProcessService(opener(pair[0].args[0].parent / "one", max_requests=1), max_queue=2) as service:
+        running = service.submit([5, 6, 7], max_new_tokens=200)
+        wait_for(lambda: service.snapshot().running == 1)
+        waiting = [service.submit([5, 6, 7], max_new_tokens=200) for _ in range(2)]
+        with pytest.raises(QueueFull):
+            service.submit([5], max_new_tokens=4)
+        for handle in [running, *waiting]:
+            handle.cancel()
+        for handle in [running, *waiting]:
+            assert handle.result(30).finish_reason == "cancelled"
+        assert service.submit([5], max_new_tokens=4).result(30).finish_reason in ("length", "stop")
+
+
+def test_openai_client_through_the_app(pair, service):
+    _, rt = pair
+    (expected,) = rt.generate("The quick brown", max_new_tokens=16, temperature=0.9, seed=5,
+                              stop=rt.info.eos_token_ids)
+    app = create_app(service, ServerConfig(model_name="tiny", max_tokens_per_request=200))
+    with running_server(app) as url:
+        api = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
+        whole = api.completions.create(model="tiny", prompt="The quick brown", max_tokens=16, temperature=0.9, seed=5)
+        chunks = list(api.completions.create(model="tiny", prompt="The quick brown", max_tokens=16, temperature=0.9,
+                                             seed=5, stream=True))
+    assert whole.model_extra["dspark"]["token_ids"] == expected.tokens
+    assert whole.choices[0].text == "".join(c.choices[0].text for c in chunks) == expected.text
+
+
+def test_a_dead_engine_process_fails_its_requests_and_the_service(pair):
+    service = ProcessService(pair[0])
+    try:
+        handle = service.submit([5, 6, 7], max_new_tokens=200)
+        wait_for(lambda: len(handle.tokens()) > 0)
+        os.kill(service.pid, signal.SIGKILL)
+        with pytest.raises(RequestFailed, match="engine process exited"):
+            handle.result(30)
+        wait_for(lambda: not service.alive)
+        with pytest.raises(ServiceClosed, match="engine process exited"):
+            service.submit([5], max_new_tokens=4)
+    finally:
+        service.close()
+
+
+def test_an_engine_that_cannot_open_says_why(tmp_path):
+    with pytest.raises(EngineProcessFailed, match="no-such-engine"):
+        ProcessService(functools.partial(Runtime.load, str(tmp_path / "no-such-engine")), start_timeout=120)
