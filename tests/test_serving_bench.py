@@ -74,3 +74,39 @@ def test_rows_are_the_median_repeat_with_the_lowest_ratio_beside_it():
     direct, http = serve_bench.summarise(rounds)
     assert (direct.tokens, direct.ratio) == (200, 1.0)  # the direct engine's median tok/s
     assert (http.tokens, http.ratio, http.min_ratio) == (90, 0.9, 0.5)  # ratios 0.9, 0.5, 0.95: median 0.9
+
+
+def test_bench_runs_both_servers_interleaved_with_equal_outputs(tmp_path):
+    """serve_bench with the in-process server and `dspark serve --engine-process` side by side on the demo
+    engine: a row per system, the engine process's CPU counted with its server's, no output differs."""
+    import json
+
+    from click.testing import CliRunner
+
+    from dspark.tools.demo_engine import demo_engine_dir
+
+    demo_engine_dir(show_progress=False)
+    out = tmp_path / "rows.json"
+    result = CliRunner().invoke(serve_bench.main, ["--clients", "2", "--requests", "4", "--per-client", "2",
+                                                   "--max-tokens", "8", "--serve-args", "", "--serve-args",
+                                                   "--engine-process", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "differ" not in result.output
+    rows = {row["system"]: row for row in json.loads(out.read_text())}
+    assert set(rows) == {"direct", "service", "http", "http [--engine-process]"}
+    assert all(row["requests"] == 4 and row["tokens"] > 0 for row in rows.values())
+    assert rows["http [--engine-process]"]["server_cpu_seconds"] > 0
+
+
+def test_serve_engine_process_refuses_a_journal_and_reports_an_engine_it_cannot_open(tmp_path):
+    from click.testing import CliRunner
+
+    from dspark.tools.cli import main
+
+    refused = CliRunner().invoke(main, ["serve", "--engine", str(tmp_path), "--engine-process", "--journal",
+                                        str(tmp_path / "j")])
+    assert refused.exit_code == 2 and "--engine-process" in refused.output and "Traceback" not in refused.output
+    broken = CliRunner().invoke(main, ["serve", "--engine", str(tmp_path), "--engine-process", "--port", "0"])
+    lines = broken.output.strip().splitlines()
+    assert broken.exit_code == 2 and len(lines) == 1, broken.output
+    assert lines[0].startswith("dspark serve: error: the engine process could not open"), lines
