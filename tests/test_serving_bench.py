@@ -77,8 +77,8 @@ def test_rows_are_the_median_repeat_with_the_lowest_ratio_beside_it():
 
 
 def test_bench_runs_both_servers_interleaved_with_equal_outputs(tmp_path):
-    """serve_bench with the in-process server and `dspark serve --engine-process` side by side on the demo
-    engine: a row per system, the engine process's CPU counted with its server's, no output differs."""
+    """serve_bench with `dspark serve` (its engine in a process of its own) and `--in-process-engine` side by side
+    on the demo engine: a row per system, no output differs."""
     import json
 
     from click.testing import CliRunner
@@ -89,13 +89,13 @@ def test_bench_runs_both_servers_interleaved_with_equal_outputs(tmp_path):
     out = tmp_path / "rows.json"
     result = CliRunner().invoke(serve_bench.main, ["--clients", "2", "--requests", "4", "--per-client", "2",
                                                    "--max-tokens", "8", "--serve-args", "", "--serve-args",
-                                                   "--engine-process", "--json", str(out)])
+                                                   "--in-process-engine", "--json", str(out)])
     assert result.exit_code == 0, result.output
     assert "differ" not in result.output
     rows = {row["system"]: row for row in json.loads(out.read_text())}
-    assert set(rows) == {"direct", "service", "http", "http [--engine-process]"}
+    assert set(rows) == {"direct", "service", "http", "http [--in-process-engine]"}
     assert all(row["requests"] == 4 and row["tokens"] > 0 for row in rows.values())
-    assert rows["http [--engine-process]"]["server_cpu_seconds"] > 0
+    assert rows["http"]["server_cpu_seconds"] > 0
 
 
 def test_serve_engine_process_refuses_a_journal_and_reports_an_engine_it_cannot_open(tmp_path):

@@ -170,7 +170,7 @@ def test_a_dead_engine_process_fails_its_requests_and_the_service(pair):
     try:
         handle = service.submit([5, 6, 7], max_new_tokens=200)
         wait_for(lambda: len(handle.tokens()) > 0)
-        os.kill(service.pid, signal.SIGKILL)
+        os.kill(service.engine_pid, signal.SIGKILL)
         with pytest.raises(RequestFailed, match="engine process exited"):
             handle.result(30)
         wait_for(lambda: not service.alive)
@@ -183,3 +183,11 @@ def test_a_dead_engine_process_fails_its_requests_and_the_service(pair):
 def test_an_engine_that_cannot_open_says_why(tmp_path):
     with pytest.raises(EngineProcessFailed, match="no-such-engine"):
         ProcessService(functools.partial(Runtime.load, str(tmp_path / "no-such-engine")), start_timeout=120)
+
+
+def test_metrics_resources_count_the_engine_process(pair, service):
+    import psutil
+
+    metrics = ServingMetrics(service)
+    engine_rss = psutil.Process(service.engine_pid).memory_info().rss
+    assert metrics.resources()["rss_bytes"] >= psutil.Process().memory_info().rss + 0.9 * engine_rss

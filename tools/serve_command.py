@@ -52,9 +52,10 @@ _LOOPBACK = ("127.0.0.1", "localhost", "::1")
                                     "default: start a local one.")
 @click.option("--cpus-per-replica", default=1.0, show_default=True, type=click.FloatRange(min=0),
               help="With --replicas: Ray CPUs each engine replica reserves.")
-@click.option("--engine-process/--in-process-engine", default=False, show_default=True,
-              help="Run the engine loop in a process of its own (the HTTP front end and the engine's Python on two "
-                   "cores instead of one interpreter lock); not with --journal.")
+@click.option("--engine-process/--in-process-engine", default=None,
+              help="Run the engine loop in a process of its own: the HTTP front end and the engine's Python on two "
+                   "cores instead of one interpreter lock (the default, except with --journal, which keeps the "
+                   "engine in the server's process).")
 @click.option("--threads", type=click.IntRange(min=0), help="ONNX Runtime intra-op threads (0: every core; "
               "default: the engine's own count, the one its SPS table was measured with).")
 def serve(engine_dir, host, port, api_key, max_queue, max_tokens_per_request, max_requests, max_seq_len,
@@ -65,6 +66,8 @@ def serve(engine_dir, host, port, api_key, max_queue, max_tokens_per_request, ma
         import uvicorn  # noqa: F401 - fail now, with the fix, not after loading the engine
     except ImportError:
         raise click.ClickException("the server needs uvicorn and starlette: pip install 'dspark[serve]'") from None
+    if engine_process is None:
+        engine_process = not journal_dir and not replicas
     if engine_process and (journal_dir or replicas):
         raise click.UsageError("--engine-process runs one engine without a journal: leave out --journal and "
                                "--replicas (which runs its engines in Ray processes)")

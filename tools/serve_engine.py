@@ -52,7 +52,7 @@ def serve_engine_process(engine_dir: str, options: RuntimeOptions, threads: int 
         raise click.ClickException(f"the engine process could not open {engine_dir}: {exc}") from None
     try:
         _serve(service, config, host=host, port=port, max_queue=max_queue, log_level=log_level,
-               source=f"{engine_dir} (engine process {service.pid})", slots=options.max_requests)
+               source=f"{engine_dir} (engine process {service.engine_pid})", slots=options.max_requests)
     finally:
         service.close()
 

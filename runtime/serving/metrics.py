@@ -16,6 +16,7 @@ finished request; psutil is read only when someone reads (a scrape, a dashboard 
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections import deque
@@ -61,7 +62,9 @@ class ServingMetrics:
         self.temperatures = _temperatures(service, self.block_size)
         self.registry = CollectorRegistry(auto_describe=False)
         self._lock = threading.Lock()
-        self._process = psutil.Process()
+        # the serving processes: this one, and the engine's when it runs in its own (process_service.py)
+        pid = getattr(service, "engine_pid", None)
+        self._processes = [psutil.Process(), *([psutil.Process(pid)] if pid is not None else [])]
         g = self.block_size
         self.ece = RunningECE(g, bins=ece_bins, half_life=ece_half_life)
         self.accepted_length = BatchHistogram(tuple(range(1, g + 2)))  # bonus included: 1..γ+1
@@ -76,7 +79,7 @@ class ServingMetrics:
         self.last_cpu: float | None = None
         self.last_gpu: float | None = None
         self._step_times: deque[float] = deque()
-        self._cpu_mark = (time.monotonic(), _cpu_seconds(self._process))
+        self._cpu_mark = (time.monotonic(), _cpu_seconds(self._processes))
         self._process_cpu: float | None = None
         r = self.registry
         self.steps = Counter(P + "engine_steps", "Decode steps run (verification passes).", registry=r)
@@ -192,13 +195,13 @@ class ServingMetrics:
             cpu, gpu, gpu_memory = reading.cpu_percent, reading.gpu_percent, reading.gpu_memory_used_bytes
         return {"cpu_percent": cpu, "gpu_percent": gpu, "gpu_memory_used_bytes": gpu_memory,
                 "process_cpu_percent": self._process_cpu_percent(),
-                "rss_bytes": float(self._process.memory_info().rss),
+                "rss_bytes": _rss_bytes(self._processes),
                 "host_memory_percent": float(psutil.virtual_memory().percent)}
 
     def _process_cpu_percent(self, min_span: float = 0.5) -> float | None:
         """This process's CPU use (100 = one core) since the last reading at least `min_span` s ago: its own
         mark, so readers (scrapes, dashboard polls) do not disturb the runtime monitor's psutil counter."""
-        now, used = time.monotonic(), _cpu_seconds(self._process)
+        now, used = time.monotonic(), _cpu_seconds(self._processes)
         with self._lock:
             then, before = self._cpu_mark
             if now - then >= min_span:
@@ -274,15 +277,28 @@ class _Collector:
             yield _gauge("gpu_utilization_percent", "GPU utilisation (NVML, device 0).", res["gpu_percent"])
         if res["gpu_memory_used_bytes"] is not None:
             yield _gauge("gpu_memory_used_bytes", "GPU memory in use (NVML, device 0).", res["gpu_memory_used_bytes"])
-        yield _gauge("process_cpu_percent", "CPU use of the serving process (100 = one core; NaN until 0.5 s in).",
-                     res["process_cpu_percent"])
-        yield _gauge("process_resident_memory_bytes", "Resident memory of the serving process.", res["rss_bytes"])
+        yield _gauge("process_cpu_percent", "CPU use of the serving processes, the server's and its engine process's "
+                     "(100 = one core; NaN until 0.5 s in).", res["process_cpu_percent"])
+        yield _gauge("process_resident_memory_bytes", "Resident memory of the serving processes (the server's and its "
+                     "engine process's).", res["rss_bytes"])
         yield _gauge("host_memory_used_percent", "Host memory in use.", res["host_memory_percent"])
 
 
-def _cpu_seconds(process: psutil.Process) -> float:
-    times = process.cpu_times()
-    return times.user + times.system
+def _cpu_seconds(processes: list[psutil.Process]) -> float:
+    total = 0.0
+    for process in processes:
+        with contextlib.suppress(psutil.Error):  # an engine process that died: its share stops counting
+            times = process.cpu_times()
+            total += times.user + times.system
+    return total
+
+
+def _rss_bytes(processes: list[psutil.Process]) -> float:
+    total = 0.0
+    for process in processes:
+        with contextlib.suppress(psutil.Error):
+            total += process.memory_info().rss
+    return total
 
 
 def _nan(value: float | None) -> float:

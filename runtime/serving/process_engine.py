@@ -16,6 +16,7 @@ Messages (engine -> front):
 from __future__ import annotations
 
 import os
+import signal
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -100,6 +101,9 @@ def run_engine_process(open_runtime: Callable[[], Runtime], commands: Connection
                        max_new_tokens: int | None) -> None:
     """The spawned process's body: open, announce, serve commands until ("close",) or the front end is gone."""
     import torch
+
+    # Ctrl-C reaches the whole process group: the front end stops us (("close",), or its pipe closing), not the key
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
     # torch's small ops between graph calls (sampling, masks) on all but one core: that one is the front end's
     torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))

@@ -80,7 +80,8 @@ class ProcessService:
         self._reader.start()
 
     @property
-    def pid(self) -> int | None:
+    def engine_pid(self) -> int | None:
+        """The engine process's pid (the metrics count its CPU and memory with the front end's)."""
         return self._process.pid
 
     # -- any thread -------------------------------------------------------------------------------
