@@ -191,3 +191,27 @@ def test_metrics_resources_count_the_engine_process(pair, service):
     metrics = ServingMetrics(service)
     engine_rss = psutil.Process(service.engine_pid).memory_info().rss
     assert metrics.resources()["rss_bytes"] >= psutil.Process().memory_info().rss + 0.9 * engine_rss
+
+
+def test_the_front_end_keeps_nothing_per_finished_request(tmp_path):
+    """4,000 mixed requests (greedy and sampled, blocking and asyncio readers, stop strings, cancels) after a
+    warm-up wave: the front end's ledger is empty and its RSS flat (the soak of test_serving_soak, shorter)."""
+    import psutil
+    from test_serving_soak import WAVE, live_rss, wave
+
+    front = psutil.Process()
+    with ProcessService(opener(tmp_path, max_requests=64), max_queue=WAVE) as service:
+        done = 0
+        while done < 2 * WAVE:
+            assert wave(service, done, WAVE) > 0
+            done += WAVE
+        warm_rss = live_rss(front)
+        while done < 6 * WAVE:
+            wave(service, done, WAVE)
+            done += WAVE
+        end_rss = live_rss(front)
+        wait_for(lambda: service.snapshot().finished == done)
+        snapshot = service.snapshot()
+        assert snapshot.failed == 0 and snapshot.cancelled > 0 and snapshot.running == snapshot.queued == 0
+        assert not service._handles  # every end arrived and was dropped
+    assert (end_rss - warm_rss) / 2**20 < 4, f"front end RSS grew {(end_rss - warm_rss) / 2**20:.1f} MiB"
