@@ -206,15 +206,17 @@ class ProcessService:
             self._snapshot = snapshot
             moved = [(self._handles.get(front_id), new) for front_id, new in tokens]
             done = [(self._handles.pop(front_id, None), result, error) for front_id, result, error in ends]
-        for handle, new in moved:
-            if handle is not None and handle._push(handle._tokens + new, now):
-                collect_wake(woken, handle)
-        for handle, result, error in done:
+        for handle, result, error in done:  # ends woken first: a closed-loop client's next request comes sooner
             if handle is not None:
                 handle._finish(result, now, error)
                 collect_wake(woken, handle)
+        for handle, new in moved:
+            if handle is not None and handle._push(handle._tokens + new, now):
+                collect_wake(woken, handle)
+        wake_loops(woken)  # before the listeners: the metrics can wait, the clients should not
+        for handle, result, _ in done:
+            if handle is not None:
                 self._notify(self._finish_listeners, result, handle.timings)
-        wake_loops(woken)
         if record is not None:
             if record.confidence_logits is not None:
                 record.confidence_logits = torch.from_numpy(record.confidence_logits)
