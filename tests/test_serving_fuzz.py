@@ -11,11 +11,10 @@ import socket
 
 import httpx
 import pytest
-from test_serving_support import running_server, tiny_runtime
+from test_serving_support import engine_service, running_server, tiny_opener
 
 from dspark.runtime.serving.app import ServerConfig, create_app
 from dspark.runtime.serving.protocol import ApiError, parse_json
-from dspark.runtime.serving.service import EngineService
 
 KEY = "fuzz-key"
 GOOD = {"model": "tiny", "prompt": "def parse_args(", "max_tokens": 4, "temperature": 0}
@@ -101,9 +100,12 @@ def raw_status(url: str, path: str, headers: dict, body: bytes) -> int:
         return int(sock.recv(64).split(b" ")[1])
 
 
-def test_malformed_requests_all_get_4xx_and_the_server_still_serves(tmp_path):
+@pytest.mark.parametrize("kind", ["thread", "process"])
+def test_malformed_requests_all_get_4xx_and_the_server_still_serves(tmp_path, kind):
+    """kind: the engine loop in the server's process (a thread) or in an engine process of its own."""
     big = 64 * 1024
-    with tiny_runtime(tmp_path, max_seq_len=256) as rt, EngineService(rt) as service:
+    open_runtime = tiny_opener(tmp_path, max_seq_len=256)
+    with open_runtime() as rt, engine_service(kind, rt, open_runtime) as service:
         config = ServerConfig(model_name="tiny", api_key=KEY, max_body_bytes=big, max_tokens_per_request=200)
         with running_server(create_app(service, config)) as url, httpx.Client(base_url=url, timeout=30) as http:
             fuzz = cases(random.Random(15), big)

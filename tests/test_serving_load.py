@@ -10,10 +10,10 @@ import json
 import time
 
 import httpx
-from test_serving_support import running_server, tiny_runtime
+import pytest
+from test_serving_support import engine_service, running_server, tiny_opener
 
 from dspark.runtime.serving.app import ServerConfig, create_app
-from dspark.runtime.serving.service import EngineService
 
 CLIENTS, MAX_TOKENS, SEED = 1000, 8, 1000
 WORDS = ["def", "parse", "args", "class", "Server", "import", "os", "sys", "for", "while", "return", "print"]
@@ -49,14 +49,17 @@ async def swarm(url: str) -> list[dict]:
         return await asyncio.gather(*(stream_one(http, i) for i in range(CLIENTS)))
 
 
-def test_1000_concurrent_streams_all_complete_and_equal_the_direct_api(tmp_path):
-    with tiny_runtime(tmp_path, scheduler="fixed", max_requests=256, max_seq_len=64) as rt:
+@pytest.mark.parametrize("kind", ["thread", "process"])
+def test_1000_concurrent_streams_all_complete_and_equal_the_direct_api(tmp_path, kind):
+    """kind: the engine loop in the server's process (a thread) or in an engine process of its own."""
+    open_runtime = tiny_opener(tmp_path, scheduler="fixed", max_requests=256, max_seq_len=64)
+    with open_runtime() as rt:
         eos = rt.info.eos_token_ids
         greedy = rt.generate([prompt(i) for i in range(0, CLIENTS, 2)], max_new_tokens=MAX_TOKENS, stop=eos)
         sampled = rt.generate([prompt(i) for i in range(1, CLIENTS, 2)], max_new_tokens=MAX_TOKENS, temperature=0.8,
                               seed=SEED, stop=eos)  # prompt j of this batch gets seed SEED + j, as client 2j+1
         expected = [r for pair in zip(greedy, sampled, strict=True) for r in pair]
-        with EngineService(rt, max_queue=CLIENTS) as service:
+        with engine_service(kind, rt, open_runtime, max_queue=CLIENTS) as service:
             app = create_app(service, ServerConfig(model_name="tiny", max_tokens_per_request=MAX_TOKENS))
             with running_server(app) as url:
                 begin = time.monotonic()

@@ -14,11 +14,10 @@ import time
 
 import openai
 import pytest
-from test_serving_support import COST, running_server, tiny_pair
+from test_serving_support import running_server, tiny_opener
 
-from dspark.runtime.api import Runtime, RuntimeOptions
+from dspark.runtime.api import Runtime
 from dspark.runtime.kv_cache import CapacityError
-from dspark.runtime.prefix_scheduler import SchedulerConfig
 from dspark.runtime.requests import RequestError
 from dspark.runtime.serving.app import ServerConfig, create_app
 from dspark.runtime.serving.metrics import ServingMetrics
@@ -29,12 +28,9 @@ PROMPTS = [[67, 24, 319, 84, 473], [5, 6, 7], [100, 200, 300, 400, 8, 9, 10], [4
 
 
 def opener(root, *, max_requests: int = 8):
-    """A picklable way to open the tiny pair (`fixed` γ, no live cost: sampled tokens do not depend on the batch
-    or on timing, so they compare token for token with `Runtime.generate`)."""
-    target, drafter = tiny_pair(root)
-    options = RuntimeOptions(scheduler=SchedulerConfig("fixed"), max_requests=max_requests, max_seq_len=256,
-                             live_cost=False)
-    return functools.partial(Runtime.from_checkpoints, target, drafter, options, cost_model=COST)
+    """`fixed` γ, no live cost: sampled tokens do not depend on the batch or on timing, so they compare token for
+    token with `Runtime.generate`."""
+    return tiny_opener(root, scheduler="fixed", max_requests=max_requests)
 
 
 def collect(handle) -> list[int]:

@@ -4,13 +4,15 @@ tokenizer and a chat template, a Runtime on it, and a real uvicorn server on a f
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import shutil
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 from conftest import golden_path
 
@@ -56,14 +58,37 @@ def tiny_pair(root: Path, *, chat_template: str | None = CHAT_TEMPLATE) -> tuple
     return target, golden_path("qwen3-tiny-vanilla", "drafter")
 
 
-def tiny_runtime(root: Path, *, scheduler: str = "dspark", max_requests: int = 64, max_seq_len: int = 256,
-                 chat_template: str | None = CHAT_TEMPLATE) -> Runtime:
+def tiny_opener(root: Path, *, scheduler: str = "dspark", max_requests: int = 64, max_seq_len: int = 256,
+                chat_template: str | None = CHAT_TEMPLATE) -> Callable[[], Runtime]:
+    """A picklable call that opens a Runtime on the tiny pair (written under root now): what a ProcessService
+    runs in its engine process, and what tiny_runtime calls here."""
     target, drafter = tiny_pair(root, chat_template=chat_template)
     # live_cost off: a cost model learnt from timed steps makes the dspark scheduler's budgets, and so a sampled
     # request's tokens, depend on timing; the tests compare sampled outputs across runs by seed.
     options = RuntimeOptions(scheduler=SchedulerConfig(scheduler), max_requests=max_requests, max_seq_len=max_seq_len,
                              live_cost=False)
-    return Runtime.from_checkpoints(target, drafter, options, cost_model=COST)
+    return functools.partial(Runtime.from_checkpoints, target, drafter, options, cost_model=COST)
+
+
+def tiny_runtime(root: Path, **options: Any) -> Runtime:
+    return tiny_opener(root, **options)()
+
+
+@contextlib.contextmanager
+def engine_service(kind: str, runtime: Runtime, open_runtime: Callable[[], Runtime], **service_options: Any
+                   ) -> Iterator[Any]:
+    """kind "thread": the EngineService over `runtime` in this process; "process": a ProcessService that opens
+    the same pair (`open_runtime`) in an engine process of its own."""
+    if kind == "process":
+        from dspark.runtime.serving.process_service import ProcessService
+
+        with ProcessService(open_runtime, **service_options) as service:
+            yield service
+    else:
+        from dspark.runtime.serving.service import EngineService
+
+        with EngineService(runtime, **service_options) as service:
+            yield service
 
 
 def free_socket() -> socket.socket:
