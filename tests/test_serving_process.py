@@ -161,8 +161,8 @@ def test_openai_client_through_the_app(pair, service):
     assert whole.choices[0].text == "".join(c.choices[0].text for c in chunks) == expected.text
 
 
-def test_a_dead_engine_process_fails_its_requests_and_the_service(pair):
-    service = ProcessService(pair[0])
+def test_a_dead_engine_process_without_restarts_fails_its_requests_and_the_service(pair):
+    service = ProcessService(pair[0], max_restarts=0)
     try:
         handle = service.submit([5, 6, 7], max_new_tokens=200)
         wait_for(lambda: len(handle.tokens()) > 0)
@@ -211,3 +211,36 @@ def test_the_front_end_keeps_nothing_per_finished_request(tmp_path):
         assert snapshot.failed == 0 and snapshot.cancelled > 0 and snapshot.running == snapshot.queued == 0
         assert not service._handles  # every end arrived and was dropped
     assert (end_rss - warm_rss) / 2**20 < 4, f"front end RSS grew {(end_rss - warm_rss) / 2**20:.1f} MiB"
+
+
+def test_a_fresh_engine_takes_the_requests_that_had_no_token(tmp_path):
+    """One slot: the running request has tokens when its engine is killed and fails; the queued ones had none,
+    so a fresh engine process runs them and they end exactly as `Runtime.generate` says; a cancel while the
+    engine restarts ends that request here; then the service serves again, and the metrics follow the new pid."""
+    open_runtime = opener(tmp_path, max_requests=1)
+    prompts = [[5, 6, 7], [42], [100, 200, 300, 400, 8]]
+    with open_runtime() as rt:
+        expected = [rt.generate(p, max_new_tokens=12, temperature=0.9, seed=3)[0].tokens for p in prompts[1:]]
+    with ProcessService(open_runtime, max_restarts=1) as service:
+        metrics = ServingMetrics(service)
+        first_pid = service.engine_pid
+        running = service.submit(prompts[0], max_new_tokens=200)
+        wait_for(lambda: len(running.tokens()) > 0)
+        queued = [service.submit(p, max_new_tokens=12, temperature=0.9, seed=3) for p in prompts[1:]]
+        doomed = service.submit([7, 7], max_new_tokens=12)
+        os.kill(first_pid, signal.SIGKILL)
+        with pytest.raises(RequestFailed, match="while generating"):
+            running.result(30)
+        wait_for(lambda: service._restarting or service.alive)
+        if service._restarting:
+            doomed.cancel()
+        assert [h.result(120).tokens for h in queued] == expected
+        assert doomed.result(60).finish_reason in ("cancelled", "length", "stop")
+        wait_for(lambda: service.alive, 120)
+        assert service.restarts == 1 and service.engine_pid != first_pid
+        assert service.submit([5], max_new_tokens=4).result(60).finish_reason in ("length", "stop")
+        assert metrics._processes()[-1].pid == service.engine_pid
+        os.kill(service.engine_pid, signal.SIGKILL)  # out of restarts: the service is down for good
+        wait_for(lambda: not service.alive and not service._restarting and not service._reader.is_alive())
+        with pytest.raises(ServiceClosed, match="exited"):
+            service.submit([5], max_new_tokens=4)

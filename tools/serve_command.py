@@ -56,11 +56,14 @@ _LOOPBACK = ("127.0.0.1", "localhost", "::1")
               help="Run the engine loop in a process of its own: the HTTP front end and the engine's Python on two "
                    "cores instead of one interpreter lock (the default, except with --journal, which keeps the "
                    "engine in the server's process).")
+@click.option("--engine-restarts", default=3, show_default=True, type=click.IntRange(min=0),
+              help="With the engine in its own process: how many times a fresh one replaces an engine process that "
+                   "died (the requests that had no token yet go to it; those that had fail).")
 @click.option("--threads", type=click.IntRange(min=0), help="ONNX Runtime intra-op threads (0: every core; "
               "default: the engine's own count, the one its SPS table was measured with).")
 def serve(engine_dir, host, port, api_key, max_queue, max_tokens_per_request, max_requests, max_seq_len,
           max_body_bytes, model_name, scheduler, log_level, replicas, routing, ray_address, cpus_per_replica,
-          journal_dir, journal_fsync, host_kv_tokens, engine_process, threads) -> None:
+          journal_dir, journal_fsync, host_kv_tokens, engine_process, engine_restarts, threads) -> None:
     """Serve /v1/completions and /v1/chat/completions (OpenAI protocol), /metrics and /dashboard."""
     try:
         import uvicorn  # noqa: F401 - fail now, with the fix, not after loading the engine
@@ -110,7 +113,7 @@ def serve(engine_dir, host, port, api_key, max_queue, max_tokens_per_request, ma
                           max_tokens_per_request=max_tokens_per_request)
     if engine_process:
         serve_engine_process(engine_dir, options, threads, config, host=host, port=port, max_queue=max_queue,
-                             log_level=log_level)
+                             log_level=log_level, restarts=engine_restarts)
         return
     try:
         runtime = Runtime.load(engine_dir, options, threads=threads)

@@ -41,13 +41,16 @@ def serve_runtime(runtime: Runtime, config: ServerConfig, *, host: str, port: in
 
 
 def serve_engine_process(engine_dir: str, options: RuntimeOptions, threads: int | None, config: ServerConfig, *,
-                         host: str, port: int, max_queue: int = 1024, log_level: str = "info") -> None:
-    """Serve the engine in `engine_dir` from a process of its own until interrupted."""
+                         host: str, port: int, max_queue: int = 1024, log_level: str = "info",
+                         restarts: int = 3) -> None:
+    """Serve the engine in `engine_dir` from a process of its own until interrupted (`restarts`: fresh engine
+    processes for one that dies)."""
     from dspark.runtime.serving.process_service import EngineProcessFailed, ProcessService
 
     try:
         service = ProcessService(functools.partial(Runtime.load, engine_dir, options, threads=threads),
-                                 max_queue=max_queue, max_new_tokens=config.max_tokens_per_request)
+                                 max_queue=max_queue, max_new_tokens=config.max_tokens_per_request,
+                                 max_restarts=restarts)
     except EngineProcessFailed as exc:
         raise click.ClickException(f"the engine process could not open {engine_dir}: {exc}") from None
     try:

@@ -62,9 +62,8 @@ class ServingMetrics:
         self.temperatures = _temperatures(service, self.block_size)
         self.registry = CollectorRegistry(auto_describe=False)
         self._lock = threading.Lock()
-        # the serving processes: this one, and the engine's when it runs in its own (process_service.py)
-        pid = getattr(service, "engine_pid", None)
-        self._processes = [psutil.Process(), *([psutil.Process(pid)] if pid is not None else [])]
+        self._process = psutil.Process()
+        self._engine: psutil.Process | None = None  # the engine's own process, when it runs in one
         g = self.block_size
         self.ece = RunningECE(g, bins=ece_bins, half_life=ece_half_life)
         self.accepted_length = BatchHistogram(tuple(range(1, g + 2)))  # bonus included: 1..γ+1
@@ -79,7 +78,7 @@ class ServingMetrics:
         self.last_cpu: float | None = None
         self.last_gpu: float | None = None
         self._step_times: deque[float] = deque()
-        self._cpu_mark = (time.monotonic(), _cpu_seconds(self._processes))
+        self._cpu_mark = (time.monotonic(), _cpu_seconds(self._processes()))
         self._process_cpu: float | None = None
         r = self.registry
         self.steps = Counter(P + "engine_steps", "Decode steps run (verification passes).", registry=r)
@@ -195,17 +194,29 @@ class ServingMetrics:
             cpu, gpu, gpu_memory = reading.cpu_percent, reading.gpu_percent, reading.gpu_memory_used_bytes
         return {"cpu_percent": cpu, "gpu_percent": gpu, "gpu_memory_used_bytes": gpu_memory,
                 "process_cpu_percent": self._process_cpu_percent(),
-                "rss_bytes": _rss_bytes(self._processes),
+                "rss_bytes": _rss_bytes(self._processes()),
                 "host_memory_percent": float(psutil.virtual_memory().percent)}
 
+    def _processes(self) -> list[psutil.Process]:
+        """The serving processes: this one, and the engine's when it runs in its own (process_service.py; a
+        restarted engine is a new process)."""
+        pid = getattr(self.service, "engine_pid", None)
+        if pid is None:
+            return [self._process]
+        if self._engine is None or self._engine.pid != pid:
+            with contextlib.suppress(psutil.Error):
+                self._engine = psutil.Process(pid)
+        return [self._process, *([self._engine] if self._engine is not None else [])]
+
     def _process_cpu_percent(self, min_span: float = 0.5) -> float | None:
-        """This process's CPU use (100 = one core) since the last reading at least `min_span` s ago: its own
-        mark, so readers (scrapes, dashboard polls) do not disturb the runtime monitor's psutil counter."""
-        now, used = time.monotonic(), _cpu_seconds(self._processes)
+        """The serving processes' CPU use (100 = one core) since the last reading at least `min_span` s ago: its
+        own mark, so readers (scrapes, dashboard polls) do not disturb the runtime monitor's psutil counter. A
+        restarted engine process starts its count again: that span reads as 0 rather than negative."""
+        now, used = time.monotonic(), _cpu_seconds(self._processes())
         with self._lock:
             then, before = self._cpu_mark
             if now - then >= min_span:
-                self._process_cpu = 100.0 * (used - before) / (now - then)
+                self._process_cpu = max(0.0, 100.0 * (used - before) / (now - then))
                 self._cpu_mark = (now, used)
             return self._process_cpu
 
