@@ -74,6 +74,7 @@ def test_rows_are_the_median_repeat_with_the_lowest_ratio_beside_it():
     direct, http = serve_bench.summarise(rounds)
     assert (direct.tokens, direct.ratio) == (200, 1.0)  # the direct engine's median tok/s
     assert (http.tokens, http.ratio, http.min_ratio) == (90, 0.9, 0.5)  # ratios 0.9, 0.5, 0.95: median 0.9
+    assert http.rounds == [0.5, 0.9, 0.95] and direct.rounds == [1.0] * 3
 
 
 def test_bench_runs_both_servers_interleaved_with_equal_outputs(tmp_path):
@@ -89,13 +90,15 @@ def test_bench_runs_both_servers_interleaved_with_equal_outputs(tmp_path):
     out = tmp_path / "rows.json"
     result = CliRunner().invoke(serve_bench.main, ["--clients", "2", "--requests", "4", "--per-client", "2",
                                                    "--max-tokens", "8", "--serve-args", "", "--serve-args",
-                                                   "--in-process-engine", "--json", str(out)])
+                                                   "--in-process-engine", "--json", str(out), "--plot",
+                                                   str(tmp_path / "serve.png")])
     assert result.exit_code == 0, result.output
     assert "differ" not in result.output
     rows = {row["system"]: row for row in json.loads(out.read_text())}
     assert set(rows) == {"direct", "service", "http", "http [--in-process-engine]"}
     assert all(row["requests"] == 4 and row["tokens"] > 0 for row in rows.values())
-    assert rows["http"]["server_cpu_seconds"] > 0
+    assert rows["http"]["server_cpu_seconds"] > 0 and len(rows["http"]["vs_direct_rounds"]) == 1
+    assert (tmp_path / "serve.png").read_bytes().startswith(b"\x89PNG")
 
 
 def test_serve_engine_process_refuses_a_journal_and_reports_an_engine_it_cannot_open(tmp_path):

@@ -23,16 +23,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import math
 import shlex
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -40,6 +37,7 @@ import click
 import psutil
 
 from .errors import OneLineErrors
+from .serve_bench_report import Phase, plot, summarise, table
 
 PROMPTS = [
     "def parse_args(argv):", "class Server:\n    def __init__(self", "import os\nimport sys\n\ndef main(",
@@ -48,38 +46,6 @@ PROMPTS = [
     "def copy(self):", "    self._lock = threading.", "def test_", "    raise ValueError(f\"",
     "from collections import", "def _split(text, sep=None):",
 ]
-
-
-@dataclass
-class Phase:
-    system: str
-    clients: int
-    requests: int
-    tokens: int
-    seconds: float
-    ttft: list[float]
-    cpu_seconds: float = 0.0  # this process (the direct engine, the service, or the HTTP clients)
-    server_cpu_seconds: float | None = None  # the `dspark serve` process (http rows)
-    ratio: float = float("nan")  # tok/s over the direct engine's in the same repeat
-    min_ratio: float = float("nan")  # the lowest ratio over the repeats
-
-    @property
-    def tokens_per_second(self) -> float:
-        return self.tokens / self.seconds if self.seconds else 0.0
-
-    def row(self) -> dict:
-        return {"system": self.system, "clients": self.clients, "requests": self.requests, "tokens": self.tokens,
-                "seconds": round(self.seconds, 3), "tokens_per_second": round(self.tokens_per_second, 1),
-                "ttft_p50_ms": round(1e3 * _quantile(self.ttft, 0.5), 2),
-                "ttft_p99_ms": round(1e3 * _quantile(self.ttft, 0.99), 2), "cpu_seconds": round(self.cpu_seconds, 3),
-                "server_cpu_seconds": None if self.server_cpu_seconds is None else round(self.server_cpu_seconds, 3),
-                "vs_direct": round(self.ratio, 3), "vs_direct_min": round(self.min_ratio, 3)}
-
-
-def _quantile(values: Sequence[float], q: float) -> float:
-    """Nearest-rank quantile."""
-    ordered = sorted(values)
-    return ordered[max(0, math.ceil(q * len(ordered)) - 1)] if ordered else float("nan")
 
 
 def jobs(clients: int, per_client: int, prompts: list[list[int]]) -> list[list[list[int]]]:
@@ -271,19 +237,6 @@ def running_server(engine_dir: str, max_requests: int, max_seq_len: int, max_tok
             server.wait(30)
 
 
-def table(phases: list[Phase]) -> str:
-    lines = ["| clients | system | requests | TTFT p50 ms | TTFT p99 ms | tok/s | vs direct | min vs direct | CPU s |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for p in phases:
-        row = p.row()
-        cpu = f"{p.cpu_seconds:.2f}"
-        if p.server_cpu_seconds is not None:
-            cpu = f"{p.server_cpu_seconds:.2f} + {cpu}"
-        lines.append(f"| {p.clients} | {p.system} | {p.requests} | {row['ttft_p50_ms']:.1f} | {row['ttft_p99_ms']:.1f} "
-                     f"| {row['tokens_per_second']:.0f} | {p.ratio:.2f} | {p.min_ratio:.2f} | {cpu} |")
-    return "\n".join(lines)
-
-
 def timed(run, *args: object, server: psutil.Process | None = None) -> tuple[Phase, dict]:
     """run(*args) with the CPU seconds it took in this process (and in the server's, when given)."""
     def cpu(proc: psutil.Process, children: bool = False) -> float:  # a server's: with its engine process
@@ -303,22 +256,6 @@ def timed(run, *args: object, server: psutil.Process | None = None) -> tuple[Pha
     return phase, outputs
 
 
-def summarise(repeats: list[list[Phase]]) -> list[Phase]:
-    """Per system, the repeat with the median ratio to that repeat's direct engine, with the min ratio (the
-    direct engine itself: its median tok/s)."""
-    rows = []
-    for i in range(len(repeats[0])):
-        runs = [(r[i].tokens_per_second / r[0].tokens_per_second, r[i]) for r in repeats]
-        if i == 0:
-            runs = [(r[0].tokens_per_second, r[0]) for r in repeats]
-        ratios = sorted(ratio for ratio, _ in runs)
-        median = statistics.median_low(ratios)
-        phase = next(p for ratio, p in runs if ratio == median)
-        phase.ratio, phase.min_ratio = (1.0, 1.0) if i == 0 else (median, ratios[0])
-        rows.append(phase)
-    return rows
-
-
 @click.command("serve-bench", cls=OneLineErrors)
 @click.option("--engine", "engine_dir", type=click.Path(exists=True, file_okay=False, path_type=str),
               help="Engine or export directory (default: the bundled demo engine).")
@@ -334,11 +271,13 @@ def summarise(repeats: list[list[Phase]]) -> list[Phase]:
 @click.option("--client", "http_clients", default="raw", show_default=True,
               help="HTTP clients to run, comma-separated: raw (asyncio, keep-alive), httpx.")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=str), help="Also write the rows here.")
+@click.option("--plot", "plot_out", type=click.Path(dir_okay=False, path_type=str),
+              help="Also draw the ratios (every round a dot) and TTFT against the client count into this PNG.")
 @click.option("--serve-args", multiple=True, default=[""], show_default=True,
               help="More `dspark serve` options for the http system, e.g. '--engine-process' (the engine loop in "
               "a process of its own) or '--replicas 1' (in a Ray replica process). Give it more than once to run "
               "one server per value, interleaved in the same rounds.")
-def main(engine_dir, clients, min_requests, per_client, max_tokens, repeats, http_clients, json_out,
+def main(engine_dir, clients, min_requests, per_client, max_tokens, repeats, http_clients, json_out, plot_out,
          serve_args) -> None:
     """Server overhead: TTFT and tok/s through HTTP vs the engine driven directly."""
     import torch
@@ -393,6 +332,11 @@ def main(engine_dir, clients, min_requests, per_client, max_tokens, repeats, htt
     click.echo(f"engine {engine_dir}; greedy, {max_tokens} new tokens, closed-loop clients, {repeats} repeat(s)"
                + (f"; dspark serve {' | '.join(shown)}" if shown else "") + "\n")
     click.echo(table(phases))
+    if plot_out:
+        title = (f"dspark serve against the engine driven directly ({repeats} rounds, {max_tokens} new tokens, "
+                 "closed-loop clients)")
+        plot(phases, Path(plot_out), title)
+        click.echo(f"plot: {plot_out}")
     if json_out:
         Path(json_out).write_text(json.dumps([{**p.row(), "ttft_seconds": p.ttft} for p in phases], indent=1))
 
