@@ -126,6 +126,8 @@ def test_metrics_hear_every_step_and_end(pair):
         handles = [service.submit(p, max_new_tokens=12) for p in PROMPTS]
         results = [h.result(60) for h in handles]
         wait_for(lambda: metrics.quality_state()["totals"]["finished"] == len(PROMPTS))
+        # the last turn's step listeners run after its ends were handed out: wait for them too
+        wait_for(lambda: metrics.quality_state()["totals"]["steps"] == service.snapshot().steps)
         totals = metrics.quality_state()["totals"]
         assert totals["generation_tokens"] == sum(len(r.tokens) for r in results)
         assert totals["steps"] == service.snapshot().steps > 0
