@@ -10,10 +10,10 @@ import functools
 import os
 import signal
 import threading
-import time
 
 import openai
 import pytest
+from test_serving_service import collect, wait_for
 from test_serving_support import running_server, tiny_opener
 
 from dspark.runtime.api import Runtime
@@ -31,17 +31,6 @@ def opener(root, *, max_requests: int = 8):
     """`fixed` γ, no live cost: sampled tokens do not depend on the batch or on timing, so they compare token for
     token with `Runtime.generate`."""
     return tiny_opener(root, scheduler="fixed", max_requests=max_requests)
-
-
-def collect(handle) -> list[int]:
-    return [t for chunk in handle.stream(timeout=60) for t in chunk]
-
-
-def wait_for(predicate, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.005)
 
 
 @pytest.fixture(scope="module")
