@@ -219,6 +219,7 @@ def test_a_fresh_engine_takes_the_requests_that_had_no_token(tmp_path):
         wait_for(lambda: len(running.tokens()) > 0)
         queued = [service.submit(p, max_new_tokens=12, temperature=0.9, seed=3) for p in prompts[1:]]
         doomed = service.submit([7, 7], max_new_tokens=12)
+        steps_before = service.snapshot().steps
         os.kill(first_pid, signal.SIGKILL)
         with pytest.raises(RequestFailed, match="while generating"):
             running.result(30)
@@ -230,6 +231,10 @@ def test_a_fresh_engine_takes_the_requests_that_had_no_token(tmp_path):
         wait_for(lambda: service.alive, 120)
         assert service.restarts == 1 and service.engine_pid != first_pid
         assert service.submit([5], max_new_tokens=4).result(60).finish_reason in ("length", "stop")
+        wait_for(lambda: service.snapshot().finished == 5)
+        totals = service.snapshot()  # over both engines: the health page's counters do not restart with one
+        assert (totals.submitted, totals.failed) == (5, 1) and steps_before >= 1
+        assert totals.steps >= steps_before + service._snapshot.steps  # the fresh engine's own count, and the first's
         assert metrics._processes()[-1].pid == service.engine_pid
         os.kill(service.engine_pid, signal.SIGKILL)  # out of restarts: the service is down for good
         wait_for(lambda: not service.alive and not service._restarting and not service._reader.is_alive())

@@ -68,6 +68,9 @@ class ProcessService:
         self._fields: dict[int, dict] = {}  # front id -> what was sent (sent again to a restarted engine)
         self._ids = itertools.count()
         self._closed = self._restarting = False
+        self._accepted = 0  # requests taken by submit, over every engine process
+        # counters of engine processes that died, and ends made here: the snapshot's totals go on over restarts
+        self._carried = dict(steps=0, finished=0, cancelled=0, failed=0)
         self._fresh_snapshot()
         self._step_listeners: list[StepListener] = []
         self._finish_listeners: list[FinishListener] = []
@@ -106,6 +109,7 @@ class ProcessService:
                 raise ServiceClosed(f"the engine process exited (code {self._process.exitcode})") from None
             self._handles[front_id], self._fields[front_id] = handle, fields
             self._submitted += 1
+            self._accepted += 1
         return handle
 
     def room(self, prompt_len: int) -> int:
@@ -116,9 +120,10 @@ class ProcessService:
         return room if self.max_new_tokens is None else min(room, self.max_new_tokens)
 
     def snapshot(self) -> LoadSnapshot:
-        """The engine's load as of its last turn; the queue counts what is in the pipe too."""
+        """The engine's load as of its last turn; the queue counts what is in the pipe too, and the totals
+        (steps, submitted, ends) count every engine process this service ran."""
         with self._lock:
-            return replace(self._snapshot, queued=self._waiting(), submitted=self._submitted)
+            return self._totals(self._snapshot)
 
     def add_step_listener(self, fn: StepListener) -> None:
         """fn(record, snapshot) after every engine step, on this side's reader thread."""
@@ -159,6 +164,12 @@ class ProcessService:
                     self._commands.send(("cancel", handle.id))
                 return
         self._fail([handle.id], None, "cancelled")  # not sent again to the fresh engine
+
+    def _totals(self, snapshot: LoadSnapshot) -> LoadSnapshot:
+        carried = self._carried
+        return replace(snapshot, queued=self._waiting(), submitted=self._accepted,
+                       steps=snapshot.steps + carried["steps"], finished=snapshot.finished + carried["finished"],
+                       cancelled=snapshot.cancelled + carried["cancelled"], failed=snapshot.failed + carried["failed"])
 
     def _waiting(self) -> int:
         """Queued in the engine at its last turn, plus submitted since (still in the pipe or its inbox)."""
@@ -265,6 +276,8 @@ class ProcessService:
                                                           f"not be restarted: {exc}"))
             return False
         with self._lock:
+            for name in ("steps", "finished", "cancelled", "failed"):  # the dead engine's totals go on
+                self._carried[name] += getattr(self._snapshot, name)
             self._fresh_snapshot()
             for front_id, fields in self._fields.items():
                 self._commands.send(("submit", front_id, fields))
@@ -275,6 +288,7 @@ class ProcessService:
         now, woken = time.monotonic(), {}
         with self._lock:
             self._snapshot = snapshot
+            totals = self._totals(snapshot)
             moved = [(self._handles.get(front_id), new) for front_id, new in tokens]
             done = [(self._handles.pop(front_id, None), result, error) for front_id, result, error in ends]
             for front_id, _, _ in ends:
@@ -293,7 +307,7 @@ class ProcessService:
         if record is not None:
             if record.confidence_logits is not None:
                 record.confidence_logits = torch.from_numpy(record.confidence_logits)
-            self._notify(self._step_listeners, record, snapshot)
+            self._notify(self._step_listeners, record, totals)
 
     def _refused(self, front_id: int, error: BaseException) -> None:
         with self._lock:
@@ -312,6 +326,9 @@ class ProcessService:
             self._end(handle, error, reason)
 
     def _end(self, handle: RequestHandle, error: BaseException | None, reason: str = "error") -> None:
+        with self._lock:  # an end no engine counted
+            self._carried["finished"] += 1
+            self._carried["failed" if error is not None else "cancelled"] += 1  # error None: a cancel here
         result = RequestResult(-1, handle.prompt_ids, handle.tokens(), finish_reason=reason)
         handle._finish(result, time.monotonic(), error)
         wake_loops(collect_wake({}, handle))
