@@ -69,12 +69,15 @@ def test_rows_are_the_median_repeat_with_the_lowest_ratio_beside_it():
     def phase(system, tokens):
         return serve_bench.Phase(system, 1, 1, tokens, 1.0, [0.1])
 
-    rounds = [[phase("direct", 100), phase("http", 90)], [phase("direct", 300), phase("http", 150)],
-              [phase("direct", 200), phase("http", 190)]]
-    direct, http = serve_bench.summarise(rounds)
+    rounds = [[phase("direct", 100), phase("service", 100), phase("http", 90)],
+              [phase("direct", 300), phase("service", 200), phase("http", 150)],
+              [phase("direct", 200), phase("service", 200), phase("http", 190)]]
+    direct, service, http = serve_bench.summarise(rounds)
     assert (direct.tokens, direct.ratio) == (200, 1.0)  # the direct engine's median tok/s
     assert (http.tokens, http.ratio, http.min_ratio) == (90, 0.9, 0.5)  # ratios 0.9, 0.5, 0.95: median 0.9
     assert http.rounds == [0.5, 0.9, 0.95] and direct.rounds == [1.0] * 3
+    assert http.service_ratio == 0.9 and service.service_ratio == 1.0  # over the service: 0.9, 0.75, 0.95
+    assert "| 0.90 | 0.50 | 0.90 |" in serve_bench.table([http])  # vs direct, its min, vs service
 
 
 def test_bench_runs_both_servers_interleaved_with_equal_outputs(tmp_path):

@@ -25,6 +25,9 @@ class Phase:
     ratio: float = float("nan")  # tok/s over the direct engine's in the same repeat
     min_ratio: float = float("nan")  # the lowest ratio over the repeats
     rounds: list[float] = field(default_factory=list)  # every repeat's ratio, ascending
+    # tok/s over the engine service's in the same repeat (median): what HTTP and the server's processes cost
+    # over the same closed-loop clients of the engine API, turnover included in both
+    service_ratio: float = float("nan")
 
     @property
     def tokens_per_second(self) -> float:
@@ -37,13 +40,7 @@ class Phase:
                 "ttft_p99_ms": round(1e3 * _quantile(self.ttft, 0.99), 2), "cpu_seconds": round(self.cpu_seconds, 3),
                 "server_cpu_seconds": None if self.server_cpu_seconds is None else round(self.server_cpu_seconds, 3),
                 "vs_direct": round(self.ratio, 3), "vs_direct_min": round(self.min_ratio, 3),
-                "vs_direct_rounds": [round(r, 3) for r in self.rounds]}
-
-
-def _quantile(values: Sequence[float], q: float) -> float:
-    """Nearest-rank quantile."""
-    ordered = sorted(values)
-    return ordered[max(0, math.ceil(q * len(ordered)) - 1)] if ordered else float("nan")
+                "vs_direct_rounds": [round(r, 3) for r in self.rounds], "vs_service": round(self.service_ratio, 3)}
 
 
 def _quantile(values: Sequence[float], q: float) -> float:
@@ -54,7 +51,8 @@ def _quantile(values: Sequence[float], q: float) -> float:
 
 def summarise(repeats: list[list[Phase]]) -> list[Phase]:
     """Per system, the repeat with the median ratio to that repeat's direct engine, with the min ratio (the
-    direct engine itself: its median tok/s)."""
+    direct engine itself: its median tok/s), and the median ratio to the repeat's engine service (the second
+    system of every repeat)."""
     rows = []
     for i in range(len(repeats[0])):
         runs = [(r[i].tokens_per_second / r[0].tokens_per_second, r[i]) for r in repeats]
@@ -65,20 +63,24 @@ def summarise(repeats: list[list[Phase]]) -> list[Phase]:
         phase = next(p for ratio, p in runs if ratio == median)
         phase.ratio, phase.min_ratio = (1.0, 1.0) if i == 0 else (median, ratios[0])
         phase.rounds = [1.0] * len(ratios) if i == 0 else ratios
+        if i >= 1:
+            phase.service_ratio = statistics.median_low([r[i].tokens_per_second / r[1].tokens_per_second
+                                                         for r in repeats])
         rows.append(phase)
     return rows
 
 
 def table(phases: list[Phase]) -> str:
-    lines = ["| clients | system | requests | TTFT p50 ms | TTFT p99 ms | tok/s | vs direct | min vs direct | CPU s |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| clients | system | requests | TTFT p50 ms | TTFT p99 ms | tok/s | vs direct | min vs direct "
+             "| vs service | CPU s |", "|---|---|---|---|---|---|---|---|---|---|"]
     for p in phases:
         row = p.row()
         cpu = f"{p.cpu_seconds:.2f}"
         if p.server_cpu_seconds is not None:
             cpu = f"{p.server_cpu_seconds:.2f} + {cpu}"
         lines.append(f"| {p.clients} | {p.system} | {p.requests} | {row['ttft_p50_ms']:.1f} | {row['ttft_p99_ms']:.1f} "
-                     f"| {row['tokens_per_second']:.0f} | {p.ratio:.2f} | {p.min_ratio:.2f} | {cpu} |")
+                     f"| {row['tokens_per_second']:.0f} | {p.ratio:.2f} | {p.min_ratio:.2f} "
+                     f"| {'—' if math.isnan(p.service_ratio) else f'{p.service_ratio:.2f}'} | {cpu} |")
     return "\n".join(lines)
 
 
