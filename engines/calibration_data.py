@@ -22,7 +22,7 @@ import numpy as np
 from dspark.export.artifacts import read_tokenizer
 from dspark.runtime.backend import Backend
 from dspark.runtime.batch_loop import BatchEngine
-from dspark.runtime.kv_cache import Capacity
+from dspark.runtime.capacity import Capacity
 from dspark.runtime.model_info import ModelInfo
 from dspark.runtime.prefix_scheduler import SchedulerConfig
 

@@ -31,8 +31,8 @@ from dspark.export.manifest import read_manifest
 from .backend import Backend
 from .backend_registry import open_backend
 from .batch_loop import BatchEngine
+from .capacity import Capacity
 from .cost_model import StepCost
-from .kv_cache import Capacity
 from .kv_tiers import HostTier
 from .live_cost import LiveStepCost
 from .model_info import ModelInfo

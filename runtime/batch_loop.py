@@ -30,11 +30,12 @@ import numpy as np
 import torch
 
 from .backend import Backend
+from .capacity import Admission, Capacity
 from .chain_verifier import verify_chains
 from .cost_model import StepCost, StepCostModel
 from .drafter_runner import DrafterRunner
 from .drafting_gate import DraftingGate, SplitStepCost
-from .kv_cache import Admission, Capacity, SlotCache
+from .kv_cache import SlotCache
 from .kv_tiers import HostTier
 from .model_info import ModelInfo
 from .monitor import Monitor

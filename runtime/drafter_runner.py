@@ -35,7 +35,8 @@ import torch
 from dspark.export import contract as C
 
 from .backend import Array, Backend, BoundCall, as_numpy, as_torch
-from .kv_cache import CapacityError, SlotCache
+from .capacity import CapacityError
+from .kv_cache import SlotCache
 from .model_info import ModelInfo
 from .proposer import DraftBlock, propose_rows
 

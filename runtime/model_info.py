@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from dspark.models import DSparkDrafter, TargetModel
+if TYPE_CHECKING:  # the serving front end reads a ModelInfo without torch
+    from dspark.models import DSparkDrafter, TargetModel
 
-from .kv_cache import CacheShape
+from .capacity import CacheShape
 
 
 @dataclass(frozen=True)

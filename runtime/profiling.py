@@ -16,8 +16,8 @@ import torch
 
 from .backend import Backend
 from .batch_loop import BatchEngine
+from .capacity import Capacity
 from .cost_model import StepCostModel
-from .kv_cache import Capacity
 from .model_info import ModelInfo
 from .prefix_scheduler import SchedulerConfig
 

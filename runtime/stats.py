@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # the serving front end reads these records without torch
+    import torch
 
 
 @dataclass

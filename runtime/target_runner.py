@@ -27,7 +27,8 @@ import torch
 from dspark.export import contract as C
 
 from .backend import Backend, BoundCall, as_numpy
-from .kv_cache import CapacityError, SlotCache
+from .capacity import CapacityError
+from .kv_cache import SlotCache
 from .model_info import ModelInfo
 from .step_batch import StepBatch
 

@@ -9,7 +9,7 @@ from conftest import random_pair
 from scipy.stats import chisquare
 
 from dspark.runtime.batch_loop import BatchEngine
-from dspark.runtime.kv_cache import Capacity
+from dspark.runtime.capacity import Capacity
 from dspark.runtime.model_info import ModelInfo
 from dspark.runtime.prefix_scheduler import SchedulerConfig
 from dspark.runtime.torch_backend import TorchBackend

@@ -10,7 +10,7 @@ from test_drafting_gate import CHEAP, DEAR, GAMMA, SplitCost, drafted_rows, gree
 
 from dspark.runtime.async_scheduler import AsyncScheduler, best_depth
 from dspark.runtime.batch_loop import BatchEngine
-from dspark.runtime.kv_cache import Capacity
+from dspark.runtime.capacity import Capacity
 from dspark.runtime.model_info import ModelInfo
 from dspark.runtime.prefix_scheduler import SchedulerConfig
 from dspark.runtime.torch_backend import TorchBackend

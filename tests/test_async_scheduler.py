@@ -25,7 +25,7 @@ from dspark.runtime import async_scheduler
 from dspark.runtime.async_scheduler import AsyncScheduler, admit_top_k, best_capacity
 from dspark.runtime.backend import as_torch
 from dspark.runtime.batch_loop import BatchEngine
-from dspark.runtime.kv_cache import Capacity
+from dspark.runtime.capacity import Capacity
 from dspark.runtime.model_info import ModelInfo
 from dspark.runtime.prefix_scheduler import (
     MODES,

@@ -9,8 +9,8 @@ import time
 from conftest import random_pair
 
 from dspark.runtime.batch_loop import BatchEngine
+from dspark.runtime.capacity import Capacity
 from dspark.runtime.cost_model import StepCostModel
-from dspark.runtime.kv_cache import Capacity
 from dspark.runtime.model_info import ModelInfo
 from dspark.runtime.prefix_scheduler import SchedulerConfig
 from dspark.runtime.torch_backend import TorchBackend

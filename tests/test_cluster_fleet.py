@@ -12,10 +12,10 @@ from conftest import golden_path
 from test_serving_support import COST, tiny_pair
 
 from dspark.runtime.api import Runtime, RuntimeOptions
+from dspark.runtime.capacity import CapacityError
 from dspark.runtime.cluster.fleet import Fleet, FleetFull
 from dspark.runtime.cluster.replica import EngineReplica, EngineSpec
 from dspark.runtime.cluster.routing import Router
-from dspark.runtime.kv_cache import CapacityError
 from dspark.runtime.prefix_scheduler import SchedulerConfig
 from dspark.runtime.requests import RequestError
 from dspark.runtime.serving.handle import RequestFailed

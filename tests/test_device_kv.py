@@ -16,8 +16,9 @@ import torch
 from dspark.models import load_pair
 from dspark.runtime.backend import WrappedBackend
 from dspark.runtime.batch_loop import BatchEngine
+from dspark.runtime.capacity import CacheShape, Capacity
 from dspark.runtime.cost_model import StepCostModel
-from dspark.runtime.kv_cache import CacheShape, Capacity, SlotCache
+from dspark.runtime.kv_cache import SlotCache
 from dspark.runtime.kv_tiers import HostTier
 from dspark.runtime.model_info import ModelInfo
 from dspark.runtime.prefix_scheduler import SchedulerConfig

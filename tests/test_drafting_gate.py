@@ -14,9 +14,9 @@ from conftest import golden_path, load_json
 
 from dspark.models import load_pair
 from dspark.runtime.batch_loop import BatchEngine
+from dspark.runtime.capacity import Capacity
 from dspark.runtime.drafter_runner import CONTEXT_ROW_COST, split_calls
 from dspark.runtime.drafting_gate import DECLINE_STEPS, MAX_ACCEPTANCE_SCALE, DraftingGate, GatePlan
-from dspark.runtime.kv_cache import Capacity
 from dspark.runtime.model_info import ModelInfo
 from dspark.runtime.prefix_scheduler import SchedulerConfig, prefix_schedule, survival
 from dspark.runtime.proposer import propose_block

@@ -17,8 +17,9 @@ from dspark.export.lower import ExportError
 from dspark.export.pipeline import DEFAULT_PLACEMENT, export_pair
 from dspark.models import load_pair
 from dspark.runtime.batch_loop import BatchEngine
+from dspark.runtime.capacity import Capacity
 from dspark.runtime.drafter_runner import DrafterRunner
-from dspark.runtime.kv_cache import Capacity, SlotCache
+from dspark.runtime.kv_cache import SlotCache
 from dspark.runtime.model_info import ModelInfo
 from dspark.runtime.ort_backend import OrtBackend
 from dspark.runtime.prefix_scheduler import SchedulerConfig

@@ -12,8 +12,8 @@ from conftest import golden_path
 
 from dspark.models import DrafterConfig, DSparkDrafter, TargetConfig, TargetModel
 from dspark.runtime.batch_loop import BatchEngine
+from dspark.runtime.capacity import Capacity
 from dspark.runtime.cost_model import StepCostModel
-from dspark.runtime.kv_cache import Capacity
 from dspark.runtime.model_info import ModelInfo
 from dspark.runtime.prefix_scheduler import SchedulerConfig
 from dspark.runtime.reference_decoder import autoregressive_generate, speculative_generate

@@ -13,9 +13,9 @@ import torch
 from dspark.models import load_pair
 from dspark.runtime.backend import BackendUnavailable
 from dspark.runtime.batch_loop import BatchEngine
+from dspark.runtime.capacity import Capacity
 from dspark.runtime.cost_model import StepCostModel
 from dspark.runtime.cuda_graphs import GraphCache
-from dspark.runtime.kv_cache import Capacity
 from dspark.runtime.model_info import ModelInfo
 from dspark.runtime.prefix_scheduler import SchedulerConfig
 from dspark.runtime.torch_backend import TorchBackend

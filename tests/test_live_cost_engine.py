@@ -17,7 +17,7 @@ from dspark.models import load_pair
 from dspark.runtime.api import Runtime, RuntimeOptions
 from dspark.runtime.backend import Array, Backend, WrappedBackend
 from dspark.runtime.batch_loop import BatchEngine
-from dspark.runtime.kv_cache import Capacity
+from dspark.runtime.capacity import Capacity
 from dspark.runtime.live_cost import LiveStepCost
 from dspark.runtime.model_info import ModelInfo
 from dspark.runtime.prefix_scheduler import SchedulerConfig

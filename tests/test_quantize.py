@@ -30,7 +30,7 @@ from dspark.export.pipeline import export_pair
 from dspark.models import load_pair
 from dspark.runtime.api import Runtime, RuntimeOptions
 from dspark.runtime.batch_loop import BatchEngine
-from dspark.runtime.kv_cache import Capacity
+from dspark.runtime.capacity import Capacity
 from dspark.runtime.model_info import ModelInfo
 from dspark.runtime.ort_backend import OrtBackend
 from dspark.runtime.prefix_scheduler import SchedulerConfig

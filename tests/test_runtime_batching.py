@@ -9,8 +9,8 @@ from conftest import golden_path, load_json, random_pair
 
 from dspark.models import load_pair
 from dspark.runtime.batch_loop import BatchEngine
+from dspark.runtime.capacity import Capacity, CapacityError
 from dspark.runtime.cost_model import StepCostModel
-from dspark.runtime.kv_cache import Capacity, CapacityError
 from dspark.runtime.model_info import ModelInfo
 from dspark.runtime.prefix_scheduler import SchedulerConfig
 from dspark.runtime.reference_decoder import autoregressive_generate, speculative_generate

@@ -14,8 +14,8 @@ from dspark.export.pipeline import export_pair
 from dspark.models import load_pair
 from dspark.runtime.backend import BackendError
 from dspark.runtime.batch_loop import BatchEngine
+from dspark.runtime.capacity import Capacity
 from dspark.runtime.cost_model import StepCostModel
-from dspark.runtime.kv_cache import Capacity
 from dspark.runtime.model_info import ModelInfo
 from dspark.runtime.ort_backend import OrtBackend
 from dspark.runtime.prefix_scheduler import SchedulerConfig

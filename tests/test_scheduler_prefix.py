@@ -13,8 +13,8 @@ from scipy.stats import chisquare
 
 from dspark.runtime import chain_verifier
 from dspark.runtime.batch_loop import BatchEngine
+from dspark.runtime.capacity import Capacity
 from dspark.runtime.cost_model import StepCostModel
-from dspark.runtime.kv_cache import Capacity
 from dspark.runtime.model_info import ModelInfo
 from dspark.runtime.prefix_scheduler import (
     SchedulerConfig,

@@ -5,6 +5,7 @@ reader on hand-made chunked bytes (events split across chunks and packed into on
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import click
 import pytest
@@ -116,3 +117,27 @@ def test_serve_engine_process_refuses_a_journal_and_reports_an_engine_it_cannot_
     lines = broken.output.strip().splitlines()
     assert broken.exit_code == 2 and len(lines) == 1, broken.output
     assert lines[0].startswith("dspark serve: error: the engine process could not open"), lines
+
+
+def test_dspark_serve_front_end_runs_without_torch():
+    """`dspark serve` with its engine process: the server process (HTTP, tokenizer, metrics) never loads torch or
+    ONNX Runtime, the engine process does; a completion, /metrics after a step, and /health go through."""
+    import httpx
+
+    from dspark.tools.demo_engine import demo_engine_dir
+
+    engine = str(demo_engine_dir(show_progress=False))
+    with serve_bench.running_server(engine, 4, 128, 8) as (url, server):
+        answer = httpx.post(f"{url}/v1/completions", json={"prompt": "def main():", "max_tokens": 8}, timeout=60)
+        assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] > 0
+        assert "dspark:spec_decode_num_draft_tokens" in httpx.get(f"{url}/metrics", timeout=10).text
+        assert httpx.get(f"{url}/health", timeout=10).json()["steps"] > 0
+
+        def libraries(process):
+            return {Path(m.path).name.split(".so")[0] for m in process.memory_maps() if ".so" in m.path}
+
+        heavy = ("libtorch", "onnxruntime_pybind11_state")
+        engines = [p for p in server.children() if any(lib.startswith(heavy) for lib in libraries(p))]
+        front = libraries(server)
+        assert len(engines) == 1 and "libtorch_cpu" in libraries(engines[0])
+        assert not [lib for lib in front if lib.startswith(heavy)], sorted(front)

@@ -17,7 +17,7 @@ from test_serving_service import collect, wait_for
 from test_serving_support import running_server, tiny_opener
 
 from dspark.runtime.api import Runtime
-from dspark.runtime.kv_cache import CapacityError
+from dspark.runtime.capacity import CapacityError
 from dspark.runtime.requests import RequestError
 from dspark.runtime.serving.app import ServerConfig, create_app
 from dspark.runtime.serving.metrics import ServingMetrics

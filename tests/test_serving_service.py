@@ -14,7 +14,7 @@ from test_serving_support import COST, tiny_pair, tiny_runtime
 
 from dspark.models import load_pair
 from dspark.runtime.api import Runtime, RuntimeOptions
-from dspark.runtime.kv_cache import CapacityError
+from dspark.runtime.capacity import CapacityError
 from dspark.runtime.model_info import ModelInfo
 from dspark.runtime.prefix_scheduler import SchedulerConfig
 from dspark.runtime.requests import RequestError

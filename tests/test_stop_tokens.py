@@ -15,8 +15,8 @@ from conftest import golden_path, load_json
 from dspark.models import load_pair
 from dspark.runtime.api import Runtime, RuntimeOptions
 from dspark.runtime.batch_loop import BatchEngine
+from dspark.runtime.capacity import Capacity
 from dspark.runtime.cost_model import StepCostModel
-from dspark.runtime.kv_cache import Capacity
 from dspark.runtime.model_info import ModelInfo
 from dspark.runtime.prefix_scheduler import SchedulerConfig
 from dspark.runtime.reference_decoder import autoregressive_generate, speculative_generate

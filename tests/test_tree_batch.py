@@ -20,8 +20,8 @@ from tokenizers import Tokenizer
 from dspark.export import contract as C
 from dspark.models import load_pair
 from dspark.runtime.batch_loop import BatchEngine
+from dspark.runtime.capacity import Capacity
 from dspark.runtime.cost_model import StepCostModel
-from dspark.runtime.kv_cache import Capacity
 from dspark.runtime.model_info import ModelInfo
 from dspark.runtime.prefix_scheduler import SchedulerConfig, SchedulerConfigError, admit_by_throughput
 from dspark.runtime.reference_decoder import autoregressive_generate

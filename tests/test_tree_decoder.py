@@ -12,7 +12,8 @@ from conftest import golden_path, random_pair
 
 from dspark.models import load_pair
 from dspark.plugins import compose_full_mask
-from dspark.runtime.kv_cache import CacheShape, SlotCache
+from dspark.runtime.capacity import CacheShape
+from dspark.runtime.kv_cache import SlotCache
 from dspark.runtime.reference_decoder import autoregressive_generate
 from dspark.runtime.requests import RequestError
 from dspark.runtime.tree_builder import DraftTree, build_tree

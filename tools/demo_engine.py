@@ -8,6 +8,7 @@ a build that was interrupted lacks its completion marker and is rebuilt.
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import os
 import shutil
 from importlib import metadata
@@ -15,9 +16,8 @@ from pathlib import Path
 
 import click
 
-import dspark.models
-
-DEMO_DIR = Path(dspark.models.__file__).resolve().parent / "demo"
+# found, not imported: dspark.models imports torch, and `dspark serve`'s front end runs without it
+DEMO_DIR = Path(importlib.util.find_spec("dspark.models").submodule_search_locations[0]).resolve() / "demo"
 DEMO_TARGET, DEMO_DRAFTER = DEMO_DIR / "target", DEMO_DIR / "dspark"
 COMPLETE = "BUILD_COMPLETE"
 

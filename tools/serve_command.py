@@ -79,8 +79,6 @@ def serve(engine_dir, host, port, api_key, max_queue, max_tokens_per_request, ma
                                "replica snapshot store yet (docs/recovery.md)")
     from pathlib import Path
 
-    from dspark.runtime.api import Runtime, RuntimeOptions
-    from dspark.runtime.prefix_scheduler import SchedulerConfig
     from dspark.runtime.serving.app import ServerConfig
 
     if engine_dir is None:
@@ -90,14 +88,23 @@ def serve(engine_dir, host, port, api_key, max_queue, max_tokens_per_request, ma
     model_name = model_name or Path(engine_dir).resolve().name
     if host not in _LOOPBACK and api_key is None:
         click.echo(f"dspark serve: warning: listening on {host} without --api-key", err=True)
-    options = RuntimeOptions(scheduler=SchedulerConfig(scheduler), max_requests=max_requests, max_seq_len=max_seq_len,
-                             host_kv_tokens=host_kv_tokens)
+    fields = dict(max_requests=max_requests, max_seq_len=max_seq_len, host_kv_tokens=host_kv_tokens)
+    config = ServerConfig(model_name=model_name, api_key=api_key, max_body_bytes=max_body_bytes,
+                          max_tokens_per_request=max_tokens_per_request)
+    if engine_process:  # this process stays the front end: no torch here, the engine process has it
+        from dspark.tools.serve_engine import serve_engine_process
+
+        serve_engine_process(engine_dir, {"scheduler": scheduler, **fields}, threads, config, host=host, port=port,
+                             max_queue=max_queue, log_level=log_level, restarts=engine_restarts)
+        return
+    from dspark.runtime.api import Runtime, RuntimeOptions
+    from dspark.runtime.prefix_scheduler import SchedulerConfig
+
+    options = RuntimeOptions(scheduler=SchedulerConfig(scheduler), **fields)
     if replicas:
         from dspark.runtime.cluster.launch import serve_replicas
         from dspark.runtime.cluster.replica import EngineSpec
 
-        config = ServerConfig(model_name=model_name, api_key=api_key, max_body_bytes=max_body_bytes,
-                              max_tokens_per_request=max_tokens_per_request)
         try:
             serve_replicas(EngineSpec(engine_dir=str(Path(engine_dir).resolve()), options=options, threads=threads),
                            replicas=replicas,
@@ -107,14 +114,8 @@ def serve(engine_dir, host, port, api_key, max_queue, max_tokens_per_request, ma
         except ImportError as exc:
             raise click.ClickException(str(exc)) from None
         return
-    from dspark.tools.serve_engine import serve_engine_process, serve_runtime
+    from dspark.tools.serve_engine import serve_runtime
 
-    config = ServerConfig(model_name=model_name, api_key=api_key, max_body_bytes=max_body_bytes,
-                          max_tokens_per_request=max_tokens_per_request)
-    if engine_process:
-        serve_engine_process(engine_dir, options, threads, config, host=host, port=port, max_queue=max_queue,
-                             log_level=log_level, restarts=engine_restarts)
-        return
     try:
         runtime = Runtime.load(engine_dir, options, threads=threads)
     except ValueError as exc:

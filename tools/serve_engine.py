@@ -5,11 +5,14 @@ process of its own (`--engine-process`)."""
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING, Any
 
 import click
 
-from dspark.runtime.api import Runtime, RuntimeOptions
 from dspark.runtime.serving.app import ServerConfig
+
+if TYPE_CHECKING:  # the engine-process server's front end runs without torch
+    from dspark.runtime.api import Runtime
 
 
 def serve_runtime(runtime: Runtime, config: ServerConfig, *, host: str, port: int, max_queue: int = 1024,
@@ -40,22 +43,24 @@ def serve_runtime(runtime: Runtime, config: ServerConfig, *, host: str, port: in
             store.close()
 
 
-def serve_engine_process(engine_dir: str, options: RuntimeOptions, threads: int | None, config: ServerConfig, *,
+def serve_engine_process(engine_dir: str, options: dict[str, Any], threads: int | None, config: ServerConfig, *,
                          host: str, port: int, max_queue: int = 1024, log_level: str = "info",
                          restarts: int = 3) -> None:
     """Serve the engine in `engine_dir` from a process of its own until interrupted (`restarts`: fresh engine
-    processes for one that dies)."""
+    processes for one that dies). `options`: `process_engine.load_runtime`'s (scheduler, RuntimeOptions
+    fields); this process, the front end, never imports torch."""
+    from dspark.runtime.serving.process_engine import load_runtime
     from dspark.runtime.serving.process_service import EngineProcessFailed, ProcessService
 
     try:
-        service = ProcessService(functools.partial(Runtime.load, engine_dir, options, threads=threads),
+        service = ProcessService(functools.partial(load_runtime, engine_dir, threads, **options),
                                  max_queue=max_queue, max_new_tokens=config.max_tokens_per_request,
                                  max_restarts=restarts)
     except EngineProcessFailed as exc:
         raise click.ClickException(f"the engine process could not open {engine_dir}: {exc}") from None
     try:
         _serve(service, config, host=host, port=port, max_queue=max_queue, log_level=log_level,
-               source=f"{engine_dir} (engine process {service.engine_pid})", slots=options.max_requests)
+               source=f"{engine_dir} (engine process {service.engine_pid})", slots=options["max_requests"])
     finally:
         service.close()
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from dspark.export.artifacts import ArtifactError
 
 from ..api import Runtime, RuntimeOptions
-from ..kv_cache import CapacityError
+from ..capacity import CapacityError
 from ..prefix_scheduler import SchedulerConfig, SchedulerConfigError
 from ..requests import RequestError
 from ..serving.service import EngineService, QueueFull, RequestFailed, ServiceClosed

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import fields
 from typing import Any
 
-from ..kv_cache import Admission, Capacity
+from ..capacity import Admission, Capacity
 from ..model_text import ModelText
 from ..requests import RequestError, stop_set, validate_request
 from ..serving.handle import LoadSnapshot, ServiceClosed

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..api import Runtime, RuntimeOptions
+from ..capacity import CapacityError
 from ..cost_model import StepCost
-from ..kv_cache import CapacityError
 from ..model_info import ModelInfo
 from ..recovery.snapshot import RequestSnapshot, SnapshotStore
 from ..requests import RequestError

@@ -19,7 +19,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 from starlette.applications import Starlette
@@ -28,14 +28,16 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
-from ..kv_cache import CapacityError
+from ..capacity import CapacityError
 from ..requests import RequestError
 from ..text import TOKENIZER_FILE, TextCodec, TextStream, cut_text
 from . import protocol as P
 from .dashboard import dashboard_routes
 from .handle import QueueFull, RequestFailed, RequestHandle, ServiceClosed
 from .metrics import ServingMetrics
-from .service import EngineService
+
+if TYPE_CHECKING:  # the front end of an engine process serves a ProcessService, without torch
+    from .service import EngineService
 
 log = logging.getLogger("dspark.serving")
 _OFF_LOOP_BYTES = 8192  # tokenize bodies larger than this in a worker thread, not on the event loop

@@ -112,7 +112,9 @@ class ServingMetrics:
         verified_pos, accepted_pos = verification_counts(lengths, accepted, self.block_size)
         logits = record.confidence_logits
         if logits is not None and rows:
-            self.ece.update(logits.detach().float().cpu().numpy(), self.temperatures, lengths, accepted)
+            if not isinstance(logits, np.ndarray):  # a torch tensor (the in-process engine's records)
+                logits = logits.detach().float().cpu().numpy()
+            self.ece.update(np.asarray(logits, dtype=np.float32), self.temperatures, lengths, accepted)
         budget, tokens = int(lengths.sum()), int(record.verified_tokens)
         self.accepted_length.observe(accepted + 1)
         self.step_seconds.observe(record.total_seconds)

@@ -22,13 +22,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-from ..api import Runtime
 from ..model_info import ModelInfo
-from ..prefix_scheduler import SchedulerConfig
 from ..stats import StepRecord
 from .handle import LoadSnapshot, RequestHandle
-from .service import EngineService
+
+if TYPE_CHECKING:  # the front end imports this module for EngineLimits and must not import torch
+    from ..api import Runtime
+    from .service import EngineService
 
 
 @dataclass(frozen=True)
@@ -41,7 +43,7 @@ class EngineLimits:
     max_seq_len: int
     reserve_extra: int  # positions the engine reserves beyond prompt + new tokens (`positions_needed(0, 0)`)
     text_dirs: tuple[str, ...]
-    scheduler: SchedulerConfig
+    confidence_temperatures: tuple[float, ...] | None  # the scheduler's STS temperatures (the metrics' ECE)
     pid: int
 
 
@@ -97,10 +99,21 @@ def _wire(record: StepRecord | None) -> StepRecord | None:
     return replace(record, confidence_logits=record.confidence_logits.detach().cpu().numpy())
 
 
+def load_runtime(engine_dir: str, threads: int | None = None, *, scheduler: str = "dspark", **options: Any) -> Runtime:
+    """`Runtime.load(engine_dir, RuntimeOptions(scheduler=SchedulerConfig(scheduler), **options), threads=threads)`,
+    as an opener the front end can pickle (`functools.partial(load_runtime, ...)`) without importing torch."""
+    from ..api import Runtime, RuntimeOptions
+    from ..prefix_scheduler import SchedulerConfig
+
+    return Runtime.load(engine_dir, RuntimeOptions(scheduler=SchedulerConfig(scheduler), **options), threads=threads)
+
+
 def run_engine_process(open_runtime: Callable[[], Runtime], commands: Connection, out: Connection, max_queue: int,
                        max_new_tokens: int | None) -> None:
     """The spawned process's body: open, announce, serve commands until ("close",) or the front end is gone."""
     import torch
+
+    from .service import EngineService
 
     # Ctrl-C reaches the whole process group: the front end stops us (("close",), or its pipe closing), not the key
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -118,7 +131,7 @@ def run_engine_process(open_runtime: Callable[[], Runtime], commands: Connection
     out.send(("ready", EngineLimits(runtime.info, capacity.max_requests, capacity.max_tokens, capacity.max_seq_len,
                                     service.engine.positions_needed(0, 0),
                                     tuple(str(Path(d).resolve()) for d in runtime.text_dirs),
-                                    service.engine.scheduler, os.getpid())))
+                                    service.engine.scheduler.confidence_temperatures, os.getpid())))
     try:
         while True:
             try:

@@ -20,18 +20,19 @@ import multiprocessing
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
-import torch
-
-from ..api import Runtime
-from ..kv_cache import Admission, Capacity
+from ..capacity import Admission, Capacity
 from ..model_text import ModelText, Stop
 from ..requests import checked_request
 from ..stats import RequestResult, StepRecord
 from .handle import LoadSnapshot, QueueFull, RequestFailed, RequestHandle, ServiceClosed, collect_wake, wake_loops
 from .process_engine import EngineLimits, run_engine_process
-from .service import FinishListener, StepListener
+
+if TYPE_CHECKING:  # no torch in the front end: the engine process has it
+    from ..api import Runtime
+    from .service import FinishListener, StepListener
 
 log = logging.getLogger("dspark.serving")
 
@@ -40,11 +41,16 @@ class EngineProcessFailed(RuntimeError):
     """The engine process could not open its runtime (the message is its error), or it did not come up."""
 
 
+@dataclass(frozen=True)
+class _Scheduler:
+    confidence_temperatures: tuple[float, ...] | None
+
+
 class _Options:
-    """What the app and the metrics read of `runtime.options`: the scheduler (its STS temperatures)."""
+    """What the app and the metrics read of `runtime.options`: the scheduler's STS temperatures."""
 
     def __init__(self, limits: EngineLimits) -> None:
-        self.scheduler, self.max_requests = limits.scheduler, limits.max_requests
+        self.scheduler, self.max_requests = _Scheduler(limits.confidence_temperatures), limits.max_requests
 
 
 class ProcessService:
@@ -304,9 +310,7 @@ class ProcessService:
         for handle, result, _ in done:
             if handle is not None:
                 self._notify(self._finish_listeners, result, handle.timings)
-        if record is not None:
-            if record.confidence_logits is not None:
-                record.confidence_logits = torch.from_numpy(record.confidence_logits)
+        if record is not None:  # its confidence logits are numpy here (process_engine._wire)
             self._notify(self._step_listeners, record, totals)
 
     def _refused(self, front_id: int, error: BaseException) -> None:
