@@ -81,7 +81,10 @@ def test_results_schema_and_plots(bench_out: Path) -> None:
         for name, runs in sweep.items():
             assert [r["concurrency"] for r in runs] == [1, 3]
             for r in runs:
-                assert 0 < r["tokens"] <= r["concurrency"] * 6  # a request may stop early at the stop token
+                # max(C, 16) requests, C at a time: a new one as each ends (1 request: 16 one after another)
+                assert r["requests"] == max(r["concurrency"], load_sweep.MIN_REQUESTS)
+                assert r["max_requests_per_step"] == r["concurrency"]
+                assert 0 < r["tokens"] <= r["requests"] * 6  # a request may stop early at the stop token
                 assert r["aggregate_tokens_per_second"] > 0 and r["per_request_tokens_per_second"] > 0
                 assert len(r["aggregate_runs"]) == 3  # --sweep-repeats' default; the row is the median run
                 assert r["aggregate_tokens_per_second"] == sorted(r["aggregate_runs"])[1]

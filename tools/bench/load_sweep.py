@@ -1,9 +1,12 @@
 """Load sweep: C concurrent requests through the continuous-batching runtime, per scheduler.
 
-At every concurrency C, C requests (bounded prompt and output lengths) are submitted at once
-to an engine with C slots, and the engine is stepped until all finish. Measured per run:
-aggregate tokens/s (all tokens / wall time), per-request tokens/s (each request's tokens / the
-time until it finished, averaged), the verification budget the scheduler chose (draft tokens
+At every concurrency C, max(C, `MIN_REQUESTS`) requests (bounded prompt and output lengths) go
+through an engine with C slots, C at a time: the first C at once, then a new one in place of each
+that finishes (between two steps), until all have finished. At 1 request a run is then 16 prompts
+one after another, not one prompt's 32 tokens (~30 steps from a cold start, where a prompt the
+drafter fails decided the figure). Measured per run: aggregate tokens/s (all tokens / wall time),
+per-request tokens/s (each request's tokens / the time from its submission to its end, averaged),
+the verification budget the scheduler chose (draft tokens
 verified per request per step, and tokens B per step), the fraction of verified draft tokens
 the target rejected, and the padding the batched verification paid. Schedulers: DSpark's prefix
 scheduler, synchronous (Algorithm 1, `dspark`) and asynchronous (§5.2, `async`), fixed γ, and
@@ -25,6 +28,7 @@ from tqdm import tqdm
 from dspark.runtime.api import Runtime, RuntimeOptions
 from dspark.runtime.prefix_scheduler import SchedulerConfig
 
+MIN_REQUESTS = 16  # requests per run at least, whatever the concurrency
 SYNC, ASYNC, AUTOREGRESSIVE = "dspark scheduler", "dspark async scheduler", "autoregressive"
 SCHEDULERS = (SYNC, ASYNC)  # the systems the goal is about
 FIXED = "fixed γ="  # prefix of the fixed-length systems' names
@@ -45,35 +49,49 @@ def schedulers(block_size: int, has_confidence: bool, gammas: Sequence[int] = (3
     return configs
 
 
-def run_load(base: Runtime, scheduler: SchedulerConfig, prompts: Sequence[list[int]], *,
+def run_load(base: Runtime, scheduler: SchedulerConfig, prompts: Sequence[list[int]], *, concurrency: int,
              max_new_tokens: int, stop: int) -> dict[str, Any]:
-    """All prompts at once through a fresh engine with one slot per prompt."""
+    """The prompts through a fresh engine with `concurrency` slots, at most that many in flight (module
+    docstring)."""
     need = max(len(p) for p in prompts) + max_new_tokens + base.info.block_size + 1
-    options = RuntimeOptions(scheduler=scheduler, max_requests=len(prompts), max_seq_len=need)
+    options = RuntimeOptions(scheduler=scheduler, max_requests=concurrency, max_seq_len=need)
     engine = Runtime(base.backend, base.info, options, cost_model=base.cost_model).engine()
     begin = time.perf_counter()
-    ids = [engine.submit(p, max_new_tokens=max_new_tokens, stop_token_ids=(stop,)) for p in prompts]
+    submitted_at: dict[int, float] = {}
     finished_at: dict[int, float] = {}
+    ids: list[int] = []
+
+    def submit_next() -> None:
+        request_id = engine.submit(prompts[len(ids)], max_new_tokens=max_new_tokens, stop_token_ids=(stop,))
+        ids.append(request_id)
+        submitted_at[request_id] = time.perf_counter()
+
+    for _ in range(min(concurrency, len(prompts))):
+        submit_next()
     while not engine.idle:
         engine.step()
         now = time.perf_counter()
         for request_id in engine.finished.keys() - finished_at.keys():
             finished_at[request_id] = now
+            if len(ids) < len(prompts):
+                submit_next()
     seconds = time.perf_counter() - begin
     results = [engine.finished[i] for i in ids]
     steps = [s for s in engine.stats.steps if s.requests]
     drafts = sum(sum(s.lengths) for s in steps)
     accepted_drafts = sum(sum(s.acceptance_lengths) - s.requests for s in steps)
     tokens = sum(len(r.tokens) for r in results)
-    per_request = [len(r.tokens) / (finished_at[r.request_id] - begin) for r in results]
+    per_request = [len(r.tokens) / (finished_at[r.request_id] - submitted_at[r.request_id]) for r in results]
     summary = engine.stats.summary()
     return {
-        "concurrency": len(prompts),
+        "concurrency": concurrency,
+        "requests": len(prompts),
         "tokens": tokens,
         "seconds": round(seconds, 4),
         "aggregate_tokens_per_second": round(tokens / seconds, 2),
         "per_request_tokens_per_second": round(sum(per_request) / len(per_request), 2),
         "steps": len(steps),
+        "max_requests_per_step": max((s.requests for s in steps), default=0),
         "mean_drafts_per_request_step": round(drafts / max(sum(s.requests for s in steps), 1), 3),
         "mean_verified_tokens_per_step": round(sum(s.verified_tokens for s in steps) / max(len(steps), 1), 2),
         "rejected_draft_fraction": round(1 - accepted_drafts / drafts, 4) if drafts else None,
@@ -86,7 +104,8 @@ def run_load(base: Runtime, scheduler: SchedulerConfig, prompts: Sequence[list[i
 def load_sweep(base: Runtime, prompts: Sequence[list[int]], concurrency: Sequence[int], *,
                max_new_tokens: int, stop: int, repeats: int = 3, progress: bool = True,
                desc: str = "load sweep") -> dict[str, list[dict[str, Any]]]:
-    """{scheduler name: one row per concurrency}; request i uses prompts[i % len(prompts)].
+    """{scheduler name: one row per concurrency}; request i uses prompts[i % len(prompts)], max(C,
+    `MIN_REQUESTS`) requests at concurrency C.
     At each concurrency every scheduler runs `repeats` times, interleaved (scheduler after scheduler,
     repeat after repeat: a run at a few requests lasts ~0.1 s, where this machine's load moves one
     run by 15-40 %); a row is the run of median aggregate tok/s, with every run's figure in
@@ -102,8 +121,8 @@ def load_sweep(base: Runtime, prompts: Sequence[list[int]], concurrency: Sequenc
     bar = tqdm(jobs, desc=desc, unit="run", disable=not progress)
     for name, c in bar:
         bar.set_postfix_str(f"{name}, {c} requests")
-        batch = [prompts[i % len(prompts)] for i in range(c)]
-        row = run_load(base, configs[name], batch, max_new_tokens=max_new_tokens, stop=stop)
+        batch = [prompts[i % len(prompts)] for i in range(max(c, MIN_REQUESTS))]
+        row = run_load(base, configs[name], batch, concurrency=c, max_new_tokens=max_new_tokens, stop=stop)
         outputs.setdefault((name, c), []).append(row.pop("outputs"))
         runs.setdefault((name, c), []).append(row)
     rows: dict[str, list[dict[str, Any]]] = {name: [] for name in configs}
