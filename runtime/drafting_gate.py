@@ -26,10 +26,17 @@ every request that this gate exists to avoid (measured: +116 ms of a 1212 ms run
 Where the table says drafting pays even at α = 0.5 (one request, a memory-bound target) the
 first step drafts every row; otherwise it probes.
 
-Probes. At the first step and after `probe_every` steps without drafting, the `probe_rows` rows
+Probes. At the first step and after `probe_interval` steps without drafting, the `probe_rows` rows
 with the smallest backlogs draft (cheapest to catch up; R ≤ probe_rows: all of them); their
-confidences refresh the pool. The other rows verify their anchor only: the engine gives them
-confidence −inf, survival 0, so they are no candidate of Algorithm 1 and their length is 0.
+confidences refresh the pool. The interval starts at `probe_every` and doubles with every probe, up
+to `MAX_PROBE_BACKOFF` times `probe_every`, until the gate drafts every row again (then it is
+`probe_every` anew): where drafting keeps not paying (a compute-bound target under load, text the
+drafter fails), probes are most of what the gate costs (measured: 16 requests on the demo engine,
+random prompts, 15 probes in 252 steps took 0.04 s of a 0.91 s run, 4 %). Not while a live cost model
+finds the drafter slower than its table (`draft_factor` ≥ `SLOW_DRAFTER`): then the decline may be a
+passing load, and probes are what measures the drafter's speed again, so they keep to `probe_every`.
+The other rows verify their anchor only: the engine gives them confidence −inf, survival 0, so they are
+no candidate of Algorithm 1 and their length is 0.
 Under padded verification (the engine's [R, W] graphs) the probe rows verify their anchor only
 too: their drafts would widen every row's verification to theirs (measured at 64 requests on the
 demo engine: a probe step's verification took 33–35 ms at W = 4 against 10 ms at W = 1, and the
@@ -53,7 +60,7 @@ by `ACCEPTANCE_DECAY` a step), and scales every survival of its path by their ra
 `PRIOR_DRAFTS` pseudo-drafts (one unlucky step moves it little, ten consistent ones a lot). Within
 `ACCEPTANCE_DEADBAND` of 1 the confidences are taken as they are: near a tie between drafting and
 not, a few percent of sampling noise would otherwise flip the decision (and a declined step waits
-`probe_every` steps for the next probe). Downward the ratio always counts. Upward (the head promises
+`probe_interval` steps for the next probe). Downward the ratio always counts. Upward (the head promises
 less than is accepted: on the demo pair's held-out text, 0.77/0.63/0.50 at slots 1-3 against 0.90/0.87/0.56
 accepted) it counts, up to `MAX_ACCEPTANCE_SCALE` and never past a survival of 1, only while the rows are
 drafting: it keeps a run of drafting going, it never starts one. Scaled up from a declined state, a 4x
@@ -85,6 +92,8 @@ PRIOR_DRAFTS = 16.0  # pseudo-drafts accepted as expected, added to both sums of
 ACCEPTANCE_DEADBAND = 0.1  # a ratio this close to 1 is taken as 1
 MAX_ACCEPTANCE_SCALE = 1.5  # confidences that promise less than is accepted are scaled up this much at most
 DECLINE_STEPS = 8  # steps a "drafting does not pay" is reused while what it rests on has not moved
+MAX_PROBE_BACKOFF = 8  # probes that keep finding drafting unprofitable come at most this many times rarer
+SLOW_DRAFTER = 1.5  # a live draft factor from which probes do not back off (a slowed drafter may recover)
 
 
 def catch_up_price(normal: float, excess: int, rows: int, steps: int = 1) -> float:
@@ -136,6 +145,7 @@ class DraftingGate:
         self.prior = prior_acceptance ** np.arange(1, block_size + 1)  # [γ] survival of the prior row
         self.pool = SurvivalPool(pool_rows, block_size)  # [γ] survival rows of recent drafted rows
         self.skipped = 0  # steps since rows last drafted
+        self.probe_interval = probe_every  # steps without drafting before the next probe (module docstring)
         self.expected_drafts = 0.0  # decayed Σ drafts Algorithm 1 expected accepted, steps that verified drafts
         self.accepted_drafts = 0.0  # decayed Σ drafts accepted in those steps
         self.pool_version = 0  # bumped whenever the pool or those sums change (a snapshot re-encodes them then)
@@ -157,13 +167,15 @@ class DraftingGate:
             normal = float(self.cost.draft_seconds(requests))
             amortised = catch_up_price(normal, excess, requests, self.catch_up_steps)
             if self.drafting_pays(requests, amortised, drafting=self._drafting):
-                self._declined, self._drafting = None, True
+                self._declined, self._drafting, self.probe_interval = None, True, self.probe_every
                 return GatePlan(requests, every, catch_up_price(normal, excess, requests), normal)
             self._declined, self._declined_steps = (requests, self.pool_version, excess, normal), 0
         self._drafting = False
         normal = self._declined[3]
-        if self.pool and self.skipped < self.probe_every:
+        if self.pool and self.skipped < self.probe_interval:
             return GatePlan(requests, every[:0], 0.0, normal)
+        if self.pool and getattr(self.cost, "draft_factor", 1.0) < SLOW_DRAFTER:  # (the first probe: no pool)
+            self.probe_interval = min(2 * self.probe_interval, MAX_PROBE_BACKOFF * self.probe_every)
         rows = every if requests <= self.probe_rows else np.sort(
             np.argsort(backlogs, kind="stable")[: self.probe_rows])
         return GatePlan(requests, rows, self._price(backlogs[rows]), normal)

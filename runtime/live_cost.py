@@ -247,7 +247,7 @@ class LiveStepCost:
         live: dict[str, Any] = {"load_factor": self.load_factor, "observed_steps": self.steps,
                                 "cells": len(self.step_ratios.cells)}
         if self.SPLIT:
-            live.update(draft_factor=self.draft_ratios.level(self.steps),
+            live.update(draft_factor=self.draft_factor,
                         verify_factor=self.verify_ratios.level(self.steps),
                         overhead_ms=1e3 * self.overhead.level(self.steps))
         return {"prior": self.prior.to_dict(), "live": live}
@@ -258,6 +258,11 @@ class LiveSplitStepCost(LiveStepCost):
     learned for it, plus the per-step overhead, so the drafting gate sees a slowed drafter or target."""
 
     SPLIT = True
+
+    @property
+    def draft_factor(self) -> float:
+        """Observed/prior drafting time over recent drafting steps (median; 1.0 = as measured)."""
+        return self.draft_ratios.level(self.steps)
 
     def draft_seconds(self, requests: int) -> float:
         return self._price(requests, 0, 2)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cache
 from itertools import pairwise
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -16,7 +17,14 @@ from dspark.models import load_pair
 from dspark.runtime.batch_loop import BatchEngine
 from dspark.runtime.capacity import Capacity
 from dspark.runtime.drafter_runner import CONTEXT_ROW_COST, split_calls
-from dspark.runtime.drafting_gate import DECLINE_STEPS, MAX_ACCEPTANCE_SCALE, DraftingGate, GatePlan
+from dspark.runtime.drafting_gate import (
+    DECLINE_STEPS,
+    MAX_ACCEPTANCE_SCALE,
+    MAX_PROBE_BACKOFF,
+    SLOW_DRAFTER,
+    DraftingGate,
+    GatePlan,
+)
 from dspark.runtime.model_info import ModelInfo
 from dspark.runtime.prefix_scheduler import SchedulerConfig, prefix_schedule, survival
 from dspark.runtime.proposer import propose_block
@@ -70,6 +78,34 @@ def test_first_step_probes_the_cheapest_rows_when_the_table_says_drafting_cannot
         gate.record(plan, None)
     assert gate.plan(backlogs).rows.tolist() == [1, 3, 4, 6]  # ... until the next probe, of 4 rows again
     assert DraftingGate(DEAR, block_size=GAMMA).plan(backlogs[:3]).all  # R <= probe_rows: a probe is every row
+
+
+def test_probes_back_off_while_drafting_does_not_pay_and_come_back_once_it_does():
+    """Gaps between probes double from probe_every to MAX_PROBE_BACKOFF·probe_every while every probe finds
+    drafting unprofitable; a step that drafts every row puts them back to probe_every."""
+    backlogs = np.array([30, 5, 40, 5, 9, 12, 7, 50])
+
+    def gaps(gate: DraftingGate) -> list[int]:
+        probes = []
+        for step in range(80):
+            plan = gate.plan(backlogs)
+            if len(plan.rows):
+                probes.append(step)
+            gate.record(plan, confident(8) if len(plan.rows) else None)
+        return [b - a for a, b in pairwise(probes)][:6]
+
+    intervals = [min(2 << k, MAX_PROBE_BACKOFF * 2) for k in range(6)]  # 2, 4, 8, 16, 16, 16
+    assert gaps(DraftingGate(DEAR, block_size=GAMMA, probe_every=2)) == [i + 1 for i in intervals]  # + the probe
+    # a live cost model that finds the drafter slowed: the decline may pass, and probes keep measuring it
+    slowed = SimpleNamespace(draft_seconds=DEAR.draft_seconds, verify_seconds=DEAR.verify_seconds,
+                             draft_factor=SLOW_DRAFTER)
+    assert gaps(DraftingGate(slowed, block_size=GAMMA, probe_every=2)) == [3] * 6
+    gate = DraftingGate(DEAR, block_size=GAMMA, probe_every=2)
+    gaps(gate)
+    assert gate.probe_interval == MAX_PROBE_BACKOFF * gate.probe_every
+    gate.cost = CHEAP  # drafting pays now: every row drafts, and a later decline probes at probe_every again
+    plans = [gate.plan(backlogs) for _ in range(DECLINE_STEPS + 1)]  # a decline is reused a few steps
+    assert plans[-1].all and gate.probe_interval == gate.probe_every
 
 
 def test_a_probe_pools_the_survivals_of_its_own_rows_only():

@@ -231,7 +231,7 @@ def test_engine_state_refuses_a_gate_of_another_shape(runtime):
     engine.gate.pool.append(engine.gate.prior)
     state = engine_state(engine)
     assert restore_engine_state(runtime.engine(), state) is None
-    assert "does not fit" in restore_engine_state(runtime.engine(), state[:-4])
+    assert "does not fit" in restore_engine_state(runtime.engine(), state[:-3])
 
 
 def test_engine_state_writer_sends_the_state_only_when_it_changed(runtime):
@@ -259,9 +259,17 @@ def test_engine_state_writer_sends_the_state_only_when_it_changed(runtime):
     assert changed is not None and restore_engine_state(fresh, changed) is None
     assert (fresh.gate.expected_drafts, fresh.gate.accepted_drafts) == (5.0, 2.0)
     assert writer(engine) is None
+    engine.gate.probe_interval = 64  # probes backed off: the interval goes with the state
+    backed_off = writer(engine)
+    assert is_short_state(backed_off) and restore_engine_state(fresh, merge_engine_state(changed, backed_off)) is None
+    assert fresh.gate.probe_interval == 64
     older = runtime.engine()  # a state written before the sums existed: they start at zero
-    assert restore_engine_state(older, changed[:-16]) is None and older.gate.expected_drafts == 0.0
+    assert restore_engine_state(older, changed[:-20]) is None and older.gate.expected_drafts == 0.0
     assert len(older.gate.pool) == len(engine.gate.pool)
+    old = runtime.engine()  # one written before the probe interval was saved: probe_every
+    old.gate.probe_interval = 3
+    assert restore_engine_state(old, changed[:-4]) is None and old.gate.expected_drafts == 5.0
+    assert old.gate.probe_interval == old.gate.probe_every
 
 
 def test_packed_rows_write_the_frames_progress_does(tmp_path):

@@ -1,6 +1,7 @@
 """The engine's own scheduling state that a request's draws depend on, saved beside the snapshots: the
-drafting gate's pool of recent survival rows, its count of steps without drafting, and its sums of expected
-and accepted drafts (after the pool; a state written before they existed restores them as zero). Restored with the
+drafting gate's pool of recent survival rows, its count of steps without drafting, its sums of expected
+and accepted drafts and its probe interval (after the pool; a state written before they existed restores the
+sums as zero and the interval as `probe_every`). Restored with the
 requests' backlogs (`RunningRequest.fed`), the resumed engine's gate plans the steps the dead one would
 have, so a seeded sampled request takes the same draws. (A live cost model learns from timings and the
 async scheduler keeps confidences of earlier steps: neither is saved; with either, sampled requests are
@@ -22,7 +23,8 @@ if TYPE_CHECKING:  # snapshot stores merge states without the engine (batch_loop
     from ..survival_pool import SurvivalPool
 
 _HEAD = struct.Struct("<4sIII")  # dtype code, skipped, rows, width
-_SUMS = struct.Struct("<dd")  # the gate's expected_drafts, accepted_drafts
+_SUMS = struct.Struct("<ddI")  # the gate's expected_drafts, accepted_drafts, probe_interval
+_OLD_SUMS = struct.Struct("<dd")  # a state written before the probe interval was saved
 _DTYPE_CODES = {"<f4": b"f4\0\0", "<f8": b"f8\0\0"}
 KEEP_POOL = 0xFFFFFFFF  # rows of a short state: the pool of the last whole state stands
 
@@ -34,7 +36,7 @@ class EngineStateWriter:
     def __init__(self) -> None:
         self._key: tuple[int, int] | None = None
         self._pool = (b"", 0, 0, b"")  # dtype code, rows, width, bytes
-        self._skipped: int | None = None
+        self._skipped: tuple[int, int] | None = None  # the gate's skipped count and probe interval last sent
 
     def __call__(self, engine: BatchEngine) -> bytes | None:
         gate = engine.gate
@@ -43,11 +45,11 @@ class EngineStateWriter:
         whole = self._key != (key := (id(gate), gate.pool_version))
         if whole:
             self._key, self._pool, self._skipped = key, _encode_pool(gate.pool, engine.info.block_size), None
-        elif self._skipped == gate.skipped:
+        elif self._skipped == (gate.skipped, gate.probe_interval):
             return None
-        self._skipped = gate.skipped
+        self._skipped = (gate.skipped, gate.probe_interval)
         code, rows, width, data = self._pool
-        sums = _SUMS.pack(gate.expected_drafts, gate.accepted_drafts)
+        sums = _SUMS.pack(gate.expected_drafts, gate.accepted_drafts, gate.probe_interval)
         if not whole:
             return _HEAD.pack(code, gate.skipped, KEEP_POOL, width) + sums
         return _HEAD.pack(code, gate.skipped, rows, width) + data + sums
@@ -95,10 +97,14 @@ def restore_engine_state(engine: BatchEngine, state: bytes | None) -> str | None
     code, skipped, rows, width = _HEAD.unpack_from(state) if len(state) >= _HEAD.size else (b"", 0, 0, 0)
     dtype = next((d for d, c in _DTYPE_CODES.items() if c == code), None)
     end = _HEAD.size + rows * width * int(dtype[-1]) if dtype is not None else -1
-    if dtype is None or width != engine.info.block_size or len(state) not in (end, end + _SUMS.size):
+    tails = {0: None, _OLD_SUMS.size: _OLD_SUMS, _SUMS.size: _SUMS}
+    if dtype is None or width != engine.info.block_size or len(state) - end not in tails:
         return "the journal's drafting-gate state does not fit this engine (another model?); the gate starts afresh"
     pool = np.frombuffer(state, dtype, rows * width, _HEAD.size).reshape(rows, width)
-    gate.expected_drafts, gate.accepted_drafts = _SUMS.unpack_from(state, end) if len(state) > end else (0.0, 0.0)
+    tail = tails[len(state) - end]
+    expected, accepted, *interval = tail.unpack_from(state, end) if tail is not None else (0.0, 0.0)
+    gate.expected_drafts, gate.accepted_drafts = expected, accepted
+    gate.probe_interval = interval[0] if interval else gate.probe_every
     gate.pool.clear()
     gate.pool.extend(row.copy() for row in pool)
     gate.skipped, gate._candidates = skipped, None
