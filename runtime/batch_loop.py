@@ -247,7 +247,9 @@ class BatchEngine:
             step=self._step, requests=rows, admitted_new=len(new), lengths=list(decision.lengths),
             verified_tokens=batch.tokens, padded_tokens=batch.padded_tokens, acceptance_lengths=accepted,
             expected_accepts=decision.expected_accepts,
-            predicted_seconds=self.cost_model.seconds(rows, batch.padded_tokens) if self.cost_model else None,
+            # priced where Algorithm 1 priced the step: a step without drafts would price it for the record alone
+            predicted_seconds=self.cost_model.seconds(rows, batch.padded_tokens) if self.cost_model and len(
+                drafting) else None,
             seconds=seconds,
             cpu_percent=None if load is None else load.cpu_percent,
             gpu_percent=None if load is None else load.gpu_percent,

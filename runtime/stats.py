@@ -52,7 +52,7 @@ class StepRecord:
     padded_tokens: int  # R × (1 + max ℓ): what the padded verification computed
     acceptance_lengths: list[int]  # per request: accepted drafts + the bonus token
     expected_accepts: float | None  # τ* (dspark mode)
-    predicted_seconds: float | None  # cost model's t(R, B) for the decision
+    predicted_seconds: float | None  # cost model's t(R, B) for the decision (None: no rows drafted)
     seconds: dict[str, float]  # phase -> wall seconds (prefill, draft, heads, schedule, verify, commit)
     cpu_percent: float | None = None
     gpu_percent: float | None = None

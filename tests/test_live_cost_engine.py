@@ -162,4 +162,6 @@ def test_only_schedulers_that_price_steps_get_the_cost_model(mode, priced):
         assert isinstance(engine.cost_model, LiveStepCost) == priced and (engine.cost_model is None) != priced
         engine.submit([67, 24, 319, 84], max_new_tokens=8)
         steps = [engine.step() for _ in range(3)]
-        assert all((s.predicted_seconds is not None) == priced for s in steps if s is not None and s.requests)
+        drafted = [s for s in steps if s is not None and s.requests and any(s.lengths)]
+        assert drafted or not priced
+        assert all((s.predicted_seconds is not None) == priced for s in drafted)
