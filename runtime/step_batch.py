@@ -93,6 +93,8 @@ class StepBatch:
         counts = np.asarray(counts, dtype=np.int64)
         if len(counts) == 1:  # one row (a single stream): a slice, copied (values is a reused buffer)
             return values[0, : counts[0]].copy()
+        if counts.max(initial=0) == 1 and counts.min() == 1:  # one each (a step without drafts): a column
+            return values[: len(counts), 0].copy()
         rows = np.repeat(np.arange(len(counts)), counts)
         cols = np.arange(rows.size) - np.repeat(np.cumsum(counts) - counts, counts)
         return values[rows, cols]

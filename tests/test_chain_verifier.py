@@ -32,9 +32,9 @@ def test_greedy_rows_accept_the_drafts_that_match_the_argmax_chain(rows):
         assert accepted.dtype == bonus.dtype == np.int64
 
 
-@pytest.mark.parametrize("counts", [[3], [2, 0, 4]])
+@pytest.mark.parametrize("counts", [[3], [2, 0, 4], [1, 1, 1], [1, 2, 1]])
 def test_gather_packs_copies_of_each_rows_first_counts(counts):
-    values = np.arange(len(counts) * 5 * 2, dtype=np.float32).reshape(len(counts), 5, 2)
+    values = np.arange((len(counts) + 1) * 5 * 2, dtype=np.float32).reshape(len(counts) + 1, 5, 2)  # a spare row
     batch = StepBatch.chains(np.zeros(len(counts), np.int64), None, np.zeros(len(counts), np.int64),
                              np.zeros(len(counts), np.int64))
     packed = batch.gather(values, np.array(counts))
