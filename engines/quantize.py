@@ -18,6 +18,7 @@ Quantization happens before optimization because ORT's level-`all` fusions rewri
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import shutil
 import tempfile
@@ -37,6 +38,7 @@ from dspark.export.lower import EXTERNAL_SUFFIX, TWO_GB
 from dspark.export.manifest import file_entries, write_manifest
 
 from .export_source import BuildError
+from .external_weights import SPILL_BYTES, WeightStream, is_external
 
 SCHEMES = QUANT_SCHEMES  # {"int4": 4, "int8": 8}, as engine.json's schema checks it
 QUANTIZER = "onnxruntime.quantization.matmul_nbits_quantizer.MatMulNBitsQuantizer"
@@ -74,35 +76,68 @@ def _weight_matmuls(model: onnx.ModelProto) -> int:
 
 
 def quantize_graph(source: Path, target: Path, options: QuantizeOptions) -> dict[str, Any]:
-    """Quantize one ONNX file into `target` (+ external data when large); returns what changed."""
+    """Quantize one ONNX file into `target` (+ external data when large); returns what changed. A graph whose
+    weights are in external data (a `--stream-weights` export) is rewritten weight by weight: each MatMul's
+    weight is read just before ORT's quantizer takes that node and let go after, its quantized tensors go to
+    the target's data file at once (`external_weights.WeightStream`), so memory holds about one weight."""
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
-    model = onnx.load(str(source))
+    model = onnx.load(str(source), load_external_data=False)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    data = target.with_name(target.name + EXTERNAL_SUFFIX)
+    data.unlink(missing_ok=True)
+    stream = WeightStream(source.parent, data) if any(map(is_external, model.graph.initializer)) else None
+    if stream is not None:
+        stream.fold_transposes(model.graph)
     before = _weight_matmuls(model)
     quantizer_log = logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer")
     level = quantizer_log.level
     quantizer_log.setLevel(logging.WARNING)  # it logs one INFO line per node it skips
-    try:
+    with contextlib.ExitStack() as cleanup:
+        cleanup.callback(quantizer_log.setLevel, level)
+        if stream is not None:
+            cleanup.callback(stream.close)
         quantizer = MatMulNBitsQuantizer(model, bits=SCHEMES[options.scheme], block_size=options.block_size,
                                          is_symmetric=True, accuracy_level=options.accuracy_level)
+        if stream is not None:
+            _stream_weights(quantizer, model.graph, stream)
         quantizer.process()
-    finally:
-        quantizer_log.setLevel(level)
-    quantized = quantizer.model.model
-    ops = Counter(n.op_type for n in quantized.graph.node)
-    left = _weight_matmuls(quantized)
-    if ops["MatMulNBits"] == 0 and before:
-        raise BuildError(f"{source.name}: onnxruntime's quantizer rewrote none of its {before} weight MatMuls")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    weight_bytes = sum(t.ByteSize() for t in quantized.graph.initializer)
-    data = target.with_name(target.name + EXTERNAL_SUFFIX)
-    data.unlink(missing_ok=True)
-    if weight_bytes > TWO_GB:
-        onnx.save_model(quantized, str(target), save_as_external_data=True, all_tensors_to_one_file=True,
-                        location=data.name, size_threshold=1024)
-    else:
-        onnx.save_model(quantized, str(target))
+        quantized = quantizer.model.model
+        ops = Counter(n.op_type for n in quantized.graph.node)
+        left = _weight_matmuls(quantized)
+        if ops["MatMulNBits"] == 0 and before:
+            raise BuildError(f"{source.name}: onnxruntime's quantizer rewrote none of its {before} weight MatMuls")
+        if stream is not None:
+            stream.finish(quantized.graph)
+            onnx.save_model(quantized, str(target))  # the graph alone: its tensors are in `data` already
+        elif sum(t.ByteSize() for t in quantized.graph.initializer) > TWO_GB:
+            onnx.save_model(quantized, str(target), save_as_external_data=True, all_tensors_to_one_file=True,
+                            location=data.name, size_threshold=SPILL_BYTES)
+        else:
+            onnx.save_model(quantized, str(target))
     return {"matmuls": before, "quantized": ops["MatMulNBits"], "left_float": left}
+
+
+def _stream_weights(quantizer: Any, graph: onnx.GraphProto, stream: WeightStream) -> None:
+    """Wrap ORT's per-node quantizer: a MatMul's weight is read into a scratch graph of its own (freed after
+    the node: see `WeightStream.load`), and what the quantizer makes there is spilled, then added to `graph`."""
+    quantize_node = quantizer.node_quantizer.quantize
+
+    def quantize(node: onnx.NodeProto, graph_stack: list[onnx.GraphProto]) -> list[onnx.NodeProto]:
+        name = node.input[1] if node.op_type == "MatMul" and len(node.input) > 1 else None
+        weight = next((t for t in graph.initializer if t.name == name), None) if name else None
+        if weight is None:
+            return quantize_node(node, graph_stack)
+        scratch = onnx.GraphProto()
+        scratch.initializer.add().CopyFrom(weight)  # the reference; its bytes come into the scratch graph
+        stream.load(scratch.initializer[0])
+        nodes = quantize_node(node, [scratch])
+        for tensor in scratch.initializer[1:]:
+            stream.spill(tensor)
+            graph.initializer.add().CopyFrom(tensor)
+        return nodes
+
+    quantizer.node_quantizer.quantize = quantize
 
 
 def quantized_graphs(export_manifest: dict[str, Any], options: QuantizeOptions) -> list[str]:

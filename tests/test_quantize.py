@@ -94,6 +94,42 @@ class GraphTarget:
         return ids[len(prompt):]
 
 
+@pytest.mark.parametrize("scheme", ["int4", "int8"])
+def test_weights_in_external_data_are_quantized_one_at_a_time_into_the_same_graph(export_dir, tmp_path, scheme,
+                                                                                  monkeypatch):
+    """A graph whose weights live in external data (a --stream-weights export) gets exactly the graph the
+    in-memory quantizer makes, with at most one weight read at a time, its tensors in its own data file."""
+    from onnx import numpy_helper
+
+    from dspark.engines import external_weights
+    from dspark.engines.quantize import quantize_graph
+    from dspark.export.manifest import read_manifest
+
+    name = read_manifest(export_dir)["graphs"][C.TARGET_FUSED]["file"]
+    outside = tmp_path / "outside" / name
+    outside.parent.mkdir()
+    onnx.save_model(onnx.load(str(export_dir / name)), str(outside), save_as_external_data=True,
+                    all_tensors_to_one_file=True, location="weights.bin", size_threshold=0)
+    loads = []
+    load = external_weights.WeightStream.load
+    monkeypatch.setattr(external_weights.WeightStream, "load", lambda stream, tensor: (loads.append(tensor.name),
+                                                                                        load(stream, tensor)))
+    options = QuantizeOptions(scheme)
+    whole = quantize_graph(export_dir / name, tmp_path / "whole" / name, options)
+    streamed = quantize_graph(outside, tmp_path / "streamed" / name, options)
+    assert streamed == whole and whole["quantized"] > 0 and len(loads) == whole["quantized"]  # one read each
+    graph = onnx.load(str(tmp_path / "streamed" / name), load_external_data=False).graph
+    big = [t for t in graph.initializer if external_weights.is_external(t)]
+    assert big and {e.value for t in big for e in t.external_data if e.key == "location"} == {name + ".data"}
+    assert all(len(t.raw_data) < external_weights.SPILL_BYTES for t in graph.initializer)  # the rest went out
+    want, got = (onnx.load(str(tmp_path / kind / name)).graph for kind in ("whole", "streamed"))
+    assert [(n.op_type, list(n.input)) for n in got.node] == [(n.op_type, list(n.input)) for n in want.node]
+    tensors = {t.name: numpy_helper.to_array(t) for t in want.initializer}
+    assert sorted(tensors) == sorted(t.name for t in got.initializer)
+    assert all(np.array_equal(numpy_helper.to_array(t), tensors[t.name]) for t in got.initializer)
+    ort.InferenceSession(str(tmp_path / "streamed" / name), providers=["CPUExecutionProvider"])
+
+
 def test_every_target_graph_is_quantized_and_recorded(int4_engine, export_dir):
     engine = load_engine_dir(int4_engine, verify_files=True)
     section = engine.manifest["quantization"]
