@@ -68,11 +68,11 @@ class WeightStream:
         tensor.data_location = onnx.TensorProto.DEFAULT
         tensor.raw_data = data
 
-    def fold_transposes(self, graph: onnx.GraphProto) -> int:
+    def fold_transposes(self, graph: onnx.GraphProto) -> None:
         """`MatMul(x, Transpose(W))` -> `MatMul(x, Wᵀ)` where W is a 2-D weight in external data and the
         Transpose feeds MatMul weights only (a --stream-weights export traces over placeholder weights, so
         nothing folded them): ORT's quantizer rewrites MatMuls whose weight is an initializer, and Wᵀ is one
-        whose bytes are read from W's, transposed, when loaded. Returns how many were folded."""
+        whose bytes are read from W's, transposed, when loaded."""
         weights = {t.name: t for t in graph.initializer if is_external(t) and len(t.dims) == 2}
         readers: dict[str, list[tuple[str, int]]] = {}
         for node in graph.node:
@@ -94,7 +94,6 @@ class WeightStream:
             folded.append(node)
         for node in folded:
             graph.node.remove(node)
-        return len(folded)
 
     def spill(self, tensor: onnx.TensorProto) -> None:
         """A tensor made here (its bytes in `raw_data`) goes to the target's data file now."""

@@ -338,13 +338,10 @@ class BatchEngine:
         self.target.commit(kept)
         if self.scheduler.needs_drafts:  # rows the drafter has not seen yet (several steps' if it skipped)
             context = batch.gather(out.context_features, kept)
-            if len(context) == len(kept):  # one row each (no draft accepted: most steps under load)
-                for r, a in enumerate(self.active):
-                    a.add_context(context[r : r + 1])
-            else:
-                cu = np.concatenate(([0], np.cumsum(kept)))
-                for r, a in enumerate(self.active):
-                    a.add_context(context[cu[r] : cu[r + 1]])
+            # one row each (no draft accepted: most steps under load) needs no cumulative sum
+            cu = range(len(kept) + 1) if len(context) == len(kept) else [0, *np.cumsum(kept).tolist()]
+            for r, a in enumerate(self.active):
+                a.add_context(context[cu[r] : cu[r + 1]])
         ids, kept_list, bonus_list = batch.ids.tolist(), kept.tolist(), bonus.tolist()
         lengths = (batch.counts - 1).tolist()
         for a, row, n, b, k in zip(self.active, ids, kept_list, bonus_list, lengths, strict=True):
