@@ -14,6 +14,8 @@ from pathlib import Path
 import numpy as np
 import onnx
 
+from .export_source import BuildError
+
 SPILL_BYTES = 1024  # smaller tensors stay in the graph file (onnx.save_model's size_threshold)
 _ALIGN = 4096  # tensors start on page boundaries in the data file (as onnx and ORT's own writers do)
 _CHUNK = 64 << 20  # bytes per read when copying a tensor between data files
@@ -60,6 +62,8 @@ class WeightStream:
         with (self.source_dir / entries["location"]).open("rb") as source:
             source.seek(int(entries.get("offset", 0)))
             data = source.read(int(entries["length"]))
+        if len(data) != int(entries["length"]):
+            raise BuildError(f"{entries['location']} ends inside {tensor.name}: the export's weights are cut short")
         if tensor.name in self._transposed:  # the bytes are the source weight's [cols, rows]: transpose them
             rows, cols = tensor.dims
             unit = np.dtype(f"u{onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize}")
@@ -124,7 +128,8 @@ class WeightStream:
                 while left:
                     chunk = source.read(min(left, _CHUNK))
                     if not chunk:
-                        raise OSError(f"{entries['location']} ends inside {tensor.name}")
+                        raise BuildError(f"{entries['location']} ends inside {tensor.name}: the export's weights "
+                                         "are cut short")
                     self._out.write(chunk)
                     left -= len(chunk)
             _point(tensor, self.target.name, offset, length)

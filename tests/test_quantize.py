@@ -130,6 +130,21 @@ def test_weights_in_external_data_are_quantized_one_at_a_time_into_the_same_grap
     ort.InferenceSession(str(tmp_path / "streamed" / name), providers=["CPUExecutionProvider"])
 
 
+def test_weights_cut_short_are_refused_in_one_line(export_dir, tmp_path):
+    from dspark.engines.quantize import quantize_graph
+    from dspark.export.manifest import read_manifest
+
+    name = read_manifest(export_dir)["graphs"][C.TARGET_FUSED]["file"]
+    outside = tmp_path / "outside" / name
+    outside.parent.mkdir()
+    onnx.save_model(onnx.load(str(export_dir / name)), str(outside), save_as_external_data=True,
+                    all_tensors_to_one_file=True, location="weights.bin", size_threshold=0)
+    data = outside.with_name("weights.bin")
+    data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+    with pytest.raises(BuildError, match="weights.bin ends inside .*cut short"):
+        quantize_graph(outside, tmp_path / "q" / name, QuantizeOptions("int4"))
+
+
 def test_every_target_graph_is_quantized_and_recorded(int4_engine, export_dir):
     engine = load_engine_dir(int4_engine, verify_files=True)
     section = engine.manifest["quantization"]

@@ -141,3 +141,15 @@ def test_dspark_serve_front_end_runs_without_torch():
         front = libraries(server)
         assert len(engines) == 1 and "libtorch_cpu" in libraries(engines[0])
         assert not [lib for lib in front if lib.startswith(heavy)], sorted(front)
+
+
+def test_the_front_ends_capacity_error_is_a_user_error():
+    """The serving front end loads runtime/capacity.py without kv_cache.py: its CapacityError still gets the
+    one-line treatment of a user's error, not a traceback."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from dspark.runtime.capacity import CapacityError; from dspark.tools.errors import "
+            "user_error_types; assert 'dspark.runtime.kv_cache' not in sys.modules; "
+            "assert CapacityError in user_error_types()")
+    subprocess.run([sys.executable, "-c", code], check=True)

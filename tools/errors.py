@@ -31,7 +31,7 @@ USER_ERRORS: tuple[tuple[str, str], ...] = (
     ("dspark.engines.export_source", "BuildError"),
     ("dspark.runtime.backend", "BackendUnavailable"),
     ("dspark.runtime.requests", "RequestError"),
-    ("dspark.runtime.kv_cache", "CapacityError"),
+    ("dspark.runtime.capacity", "CapacityError"),
     ("dspark.runtime.recovery.journal", "JournalError"),
 )
 
