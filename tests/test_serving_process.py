@@ -14,7 +14,7 @@ import threading
 import openai
 import pytest
 from test_serving_service import collect, wait_for
-from test_serving_support import running_server, tiny_opener
+from test_serving_support import loop_breaking_runtime, running_server, tiny_opener
 
 from dspark.runtime.api import Runtime
 from dspark.runtime.capacity import CapacityError
@@ -165,6 +165,19 @@ def test_a_dead_engine_process_without_restarts_fails_its_requests_and_the_servi
             service.submit([5], max_new_tokens=4)
     finally:
         service.close()
+
+
+def test_an_engine_process_whose_loop_died_gives_way_to_a_fresh_one(tmp_path):
+    """A bug in the engine loop outside any step stops that loop; its process exits (it would otherwise take
+    requests nobody steps), and the front end restarts it: the request that had tokens fails, the next is served."""
+    breaking = functools.partial(loop_breaking_runtime, opener(tmp_path, max_requests=1), tmp_path / "broke")
+    with ProcessService(breaking, max_restarts=1) as service:
+        first_pid = service.engine_pid
+        with pytest.raises(RequestFailed, match="exited"):
+            service.submit([5, 6, 7], max_new_tokens=60).result(60)
+        assert (tmp_path / "broke").exists()
+        wait_for(lambda: service.alive and service.engine_pid != first_pid, 120)
+        assert service.submit([42], max_new_tokens=8).result(60).finish_reason in ("length", "stop")
 
 
 def test_an_engine_that_cannot_open_says_why(tmp_path):

@@ -10,7 +10,7 @@ import time
 from dataclasses import asdict
 
 import pytest
-from test_serving_support import COST, tiny_pair, tiny_runtime
+from test_serving_support import COST, loop_breaking_runtime, tiny_opener, tiny_pair, tiny_runtime
 
 from dspark.models import load_pair
 from dspark.runtime.api import Runtime, RuntimeOptions
@@ -203,6 +203,21 @@ def test_close_ends_pending_requests_and_refuses_new_ones(tmp_path):
         with pytest.raises(ServiceClosed):
             service.submit(PROMPTS[2], max_new_tokens=2)
         assert not service.alive
+
+
+def test_a_loop_that_died_ends_its_requests_and_refuses_new_ones(tmp_path, caplog):
+    """A bug in the loop outside any step (here: handing results off raises) stops the loop: what was in
+    flight ends with ServiceClosed naming the error, and submit refuses rather than queue for nobody."""
+    with loop_breaking_runtime(tiny_opener(tmp_path, max_requests=1), tmp_path / "broke") as rt:
+        service = EngineService(rt)
+        running = service.submit(PROMPTS[0], max_new_tokens=200)
+        with pytest.raises(ServiceClosed, match="a bug in the loop"):
+            running.result(30)
+        wait_for(lambda: not service.alive)
+        with pytest.raises(ServiceClosed, match="engine loop stopped .*a bug in the loop"):
+            service.submit(PROMPTS[1], max_new_tokens=2)
+        assert "dspark engine loop stopped" in caplog.text
+        service.close()
 
 
 def test_the_load_snapshot_is_plain_json_while_requests_run(fixed_runtime):

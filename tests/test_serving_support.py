@@ -70,6 +70,31 @@ def tiny_opener(root: Path, *, scheduler: str = "dspark", max_requests: int = 64
     return functools.partial(Runtime.from_checkpoints, target, drafter, options, cost_model=COST)
 
 
+def loop_breaking_runtime(open_runtime: Callable[[], Runtime], marker: Path) -> Runtime:
+    """open_runtime(), whose first engine's results hand-off raises once `marker` does not exist yet (then
+    creates it): a bug in the service's loop outside any step, in the first engine process only."""
+    runtime = open_runtime()
+    engine = runtime.engine
+    if marker.exists():
+        return runtime
+
+    def breaking_engine(*args: Any, **kwargs: Any) -> Any:
+        made = engine(*args, **kwargs)
+        take = made.take_finished
+
+        def take_finished() -> Any:
+            if made._step >= 2 and not marker.exists():
+                marker.touch()
+                raise RuntimeError("a bug in the loop")
+            return take()
+
+        made.take_finished = take_finished
+        return made
+
+    runtime.engine = breaking_engine
+    return runtime
+
+
 def tiny_runtime(root: Path, **options: Any) -> Runtime:
     return tiny_opener(root, **options)()
 

@@ -11,6 +11,9 @@ Messages (engine -> front):
                                                StepRecord (None without a step; confidence logits as numpy),
                                                the LoadSnapshot, [(id, new tokens)], [(id, RequestResult, error)]
   ("refused", id, error)                       a submit the engine did not take (QueueFull, RequestError, ...)
+A service loop that stops on an error (a bug outside any step: logged) takes the process with it, exit code
+`LOOP_DIED`, so the front end restarts it as it does any dead engine; left running, the process would take
+requests that nobody steps.
 """
 
 from __future__ import annotations
@@ -31,6 +34,10 @@ from .handle import LoadSnapshot, RequestHandle
 if TYPE_CHECKING:  # the front end imports this module for EngineLimits and must not import torch
     from ..api import Runtime
     from .service import EngineService
+
+
+LOOP_DIED = 70  # the engine process's exit code when its service loop stopped on an error
+LOOP_CHECK_SECONDS = 0.5  # how often the command loop looks whether the service loop still runs
 
 
 @dataclass(frozen=True)
@@ -134,7 +141,11 @@ def run_engine_process(open_runtime: Callable[[], Runtime], commands: Connection
                                     service.engine.scheduler.confidence_temperatures, os.getpid())))
     try:
         while True:
+            if not service.alive:  # its loop died (a bug, logged): exit, so the front end starts a fresh engine
+                raise SystemExit(LOOP_DIED)
             try:
+                if not commands.poll(LOOP_CHECK_SECONDS):
+                    continue
                 command = commands.recv()
             except EOFError:  # the front end is gone: nobody reads what we would make
                 break

@@ -88,6 +88,7 @@ class EngineService:
             self.recovered.problems.append(problem)
         self._snapshot = self._measure()
         self._stop = threading.Event()
+        self._closed_because = "the engine service is closed"
         self._thread = threading.Thread(target=self._run, name="dspark-engine-loop", daemon=True)
         self._thread.start()
 
@@ -104,7 +105,7 @@ class EngineService:
         engine.admission.check_servable(engine.positions_needed(len(ids), max_new_tokens))
         with self._lock:
             if self._stop.is_set():
-                raise ServiceClosed("the engine service is closed")
+                raise ServiceClosed(self._closed_because)
             waiting = len(self._inbox) + self._engine_queued
             if waiting >= self.max_queue:
                 raise QueueFull(waiting, self.max_queue)
@@ -133,7 +134,7 @@ class EngineService:
         engine.admission.check_servable(engine.positions_needed(len(ids), spec.max_new_tokens))
         with self._lock:
             if self._stop.is_set():
-                raise ServiceClosed("the engine service is closed")
+                raise ServiceClosed(self._closed_because)
             waiting = len(self._inbox) + self._engine_queued
             if waiting >= self.max_queue:
                 raise QueueFull(waiting, self.max_queue)
@@ -216,11 +217,13 @@ class EngineService:
                     self._notify(self._turn_listeners, record, self._snapshot, moved, ended)
                 if self.engine.idle and not self._inbox and not self._cancels:
                     self._wake.wait(self.idle_wait)
-        except BaseException:  # a bug in the service itself: say so, then fail everyone rather than hang
+        except BaseException as exc:  # a bug in the service itself: say so, then fail everyone rather than hang
             log.exception("dspark engine loop stopped")
-            raise
+            with self._lock:  # from now on submit refuses: nobody would take a request from the inbox
+                self._closed_because = f"the engine loop stopped ({type(exc).__name__}: {str(exc)[:200]})"
+                self._stop.set()
         finally:
-            self._fail_all(ServiceClosed("the engine service is closed"))
+            self._fail_all(ServiceClosed(self._closed_because))
 
     def _resume(self, snapshot: RequestSnapshot) -> None:
         """Before the loop starts: an earlier run's request continues from its snapshot (same key)."""
