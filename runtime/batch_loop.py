@@ -241,7 +241,7 @@ class BatchEngine:
             drafts = batch.tokens - rows  # drafts verified this step (0: anchors only)
             verified = (decision.expected_accepts - rows, sum(accepted) - rows) \
                 if drafts and decision.expected_accepts is not None else None
-            self.gate.record(plan, confidence, verified, survivals, verified_tokens=batch.tokens)
+            self.gate.record(plan, confidence, verified, survivals)
         load = self.monitor.sample() if self.monitor else None
         record = StepRecord(
             step=self._step, requests=rows, admitted_new=len(new), lengths=list(decision.lengths),

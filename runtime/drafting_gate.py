@@ -67,15 +67,6 @@ drafting: it keeps a run of drafting going, it never starts one. Scaled up from 
 slower drafter's lucky probes started runs of drafting that lost; without it at all, one request on the
 demo engine declined 34-185 of ~360 steps whose drafts would have paid (measured 2026-12-05).
 
-Drafts that paid. The survivals follow the text: at one request a hard stretch declines drafting, and
-the probes after it are judged by that stretch's pool. So a step in which every row drafted (a probe of
-every row, R ≤ probe_rows, or a drafting step) and committed more tokens than plain decoding would have
-in the time the cost model gives a normal drafting step of R rows (`paid`) is followed by a drafting step
-of every row whatever the survivals say, and so on while steps pay: a step that does not pay costs one
-step. Measured (demo engine, one request, the bench's 8 held-out prompts × 128 tokens, 3 interleaved
-rounds): declined steps 112 → 48 of ~290, tokens a step 3.46 → 4.24, the scheduler 0.80 → 0.90 of fixed
-γ = 7's tokens/s.
-
 Lossless: which rows draft depends only on committed history (backlogs, earlier steps'
 confidences and timings), never on this step's draft tokens; a row that does not draft verifies
 its anchor, a row that does goes through Algorithm 1 as ever, and each step's verification is
@@ -103,6 +94,7 @@ MAX_ACCEPTANCE_SCALE = 1.5  # confidences that promise less than is accepted are
 DECLINE_STEPS = 8  # steps a "drafting does not pay" is reused while what it rests on has not moved
 MAX_PROBE_BACKOFF = 8  # probes that keep finding drafting unprofitable come at most this many times rarer
 SLOW_DRAFTER = 1.5  # a live draft factor from which probes do not back off (a slowed drafter may recover)
+DRAFTING = ("draft", "heads")  # a step's phases that draft (StepRecord.seconds)
 
 
 def catch_up_price(normal: float, excess: int, rows: int, steps: int = 1) -> float:
@@ -128,6 +120,7 @@ class GatePlan:
     rows: np.ndarray  # [k] active rows that draft, ascending (empty: none; 0..R-1: all)
     price: float  # predicted seconds of drafting them, their whole backlogs included (0.0 if none)
     normal: float  # predicted seconds of a normal drafting step of all R rows
+    excess: int = 0  # context rows they catch up beyond a normal step's (0: no catch-up)
 
     @property
     def all(self) -> bool:
@@ -165,7 +158,6 @@ class DraftingGate:
         self._declined: tuple[int, int, int, float] | None = None
         self._declined_steps = 0
         self._drafting = False  # the last plan drafted every row (a realised acceptance above promise counts)
-        self._paid = False  # the last step drafted every row and its accepted tokens paid for it: draft on
 
     # -- the decision ---------------------------------------------------------------------------
     def plan(self, backlogs: np.ndarray) -> GatePlan:  # backlogs [R] context rows each row has not fed
@@ -173,12 +165,12 @@ class DraftingGate:
         requests = len(backlogs)
         every = np.arange(requests)
         excess = int(self._excess(backlogs).sum())
-        if self._paid or not self._still_declined(requests, excess):
+        if not self._still_declined(requests, excess):
             normal = float(self.cost.draft_seconds(requests))
             amortised = catch_up_price(normal, excess, requests, self.catch_up_steps)
-            if self._paid or self.drafting_pays(requests, amortised, drafting=self._drafting):
+            if self.drafting_pays(requests, amortised, drafting=self._drafting):
                 self._declined, self._drafting, self.probe_interval = None, True, self.probe_every
-                return GatePlan(requests, every, catch_up_price(normal, excess, requests), normal)
+                return GatePlan(requests, every, catch_up_price(normal, excess, requests), normal, excess)
             self._declined, self._declined_steps = (requests, self.pool_version, excess, normal), 0
         self._drafting = False
         normal = self._declined[3]
@@ -188,7 +180,7 @@ class DraftingGate:
             self.probe_interval = min(2 * self.probe_interval, MAX_PROBE_BACKOFF * self.probe_every)
         rows = every if requests <= self.probe_rows else np.sort(
             np.argsort(backlogs, kind="stable")[: self.probe_rows])
-        return GatePlan(requests, rows, self._price(backlogs[rows]), normal)
+        return GatePlan(requests, rows, self._price(backlogs[rows]), normal, int(self._excess(backlogs[rows]).sum()))
 
     def _still_declined(self, requests: int, excess: int) -> bool:
         """Whether the last "drafting does not pay" stands without pricing the step again (that pricing was
@@ -268,19 +260,14 @@ class DraftingGate:
 
     # -- after the step --------------------------------------------------------------------------
     def record(self, plan: GatePlan, confidence_logits: torch.Tensor | np.ndarray | None,
-               verified: tuple[float, int] | None = None, survivals: np.ndarray | None = None,
-               verified_tokens: int | None = None) -> None:
+               verified: tuple[float, int] | None = None, survivals: np.ndarray | None = None) -> None:
         """confidence_logits [R, γ] of the step (rows that did not draft: anything, unread); `verified`:
         (drafts Algorithm 1 expected accepted, drafts accepted) when the step verified drafts; `survivals`:
-        their survival [R, γ] at this gate's temperatures where the caller has it (not computed again);
-        `verified_tokens`: the B the step verified (with `verified`: whether its drafts paid, module docstring)."""
-        self._paid = False
+        their survival [R, γ] at this gate's temperatures where the caller has it (not computed again)."""
         if verified is not None and verified[0] > 0:
             self.expected_drafts = self.expected_drafts * ACCEPTANCE_DECAY + verified[0]
             self.accepted_drafts = self.accepted_drafts * ACCEPTANCE_DECAY + verified[1]
             self.pool_version += 1
-            if plan.all and verified_tokens is not None:
-                self._paid = self.paid(plan, verified[1], verified_tokens)
         if not len(plan.rows):
             self.skipped += 1
             return
@@ -292,19 +279,20 @@ class DraftingGate:
             self._candidates = None
             self.pool_version += 1
 
-    def paid(self, plan: GatePlan, accepted_drafts: int, verified_tokens: int) -> bool:
-        """Whether a step in which every row drafted committed more tokens than plain decoding would have in
-        the time the cost model gives it (a normal drafting step's: a catch-up is paid once, not again)."""
-        requests = plan.requests
-        drafted = (requests + accepted_drafts) / (plan.normal + float(self.cost.verify_seconds(requests,
-                                                                                                verified_tokens)))
-        return drafted > requests / float(self.cost.verify_seconds(requests, requests))
-
     def observed(self, record: StepRecord, plan: GatePlan) -> StepRecord:
         """The step as the cost model should learn from it: drafting normalised to a normal step of
-        all R rows (the backlogs' catch-up and a probe's few rows scaled out), at the measured speed."""
+        all R rows (the backlogs' catch-up and a probe's few rows scaled out), at the measured speed.
+        A catch-up that normalised still costs more than a normal step is priced from `CONTEXT_ROW_COST`,
+        not measured: it tells of the drafter only that it is not slower than that, so its drafting is
+        left out (the step is learned as one without drafting). Otherwise the first step of a request (its
+        prompt caught up) and the probes after a decline (the skipped steps caught up) taught the model a
+        drafter up to 2.4x slower than it was, and kept one request from drafting for 100+ steps (measured:
+        demo engine, one request at a time, 16 requests of 32 tokens: 16 to 441 steps declined of 160-463)."""
         if not len(plan.rows) or plan.price <= 0.0 or (plan.all and plan.price == plan.normal):
             return record
         scale = plan.normal / plan.price
-        seconds = {k: v * scale if k in ("draft", "heads") else v for k, v in record.seconds.items()}
+        seconds = {k: v * scale if k in DRAFTING else v for k, v in record.seconds.items()}
+        if plan.excess and sum(seconds.get(k, 0.0) for k in (*DRAFTING, "schedule")) > plan.normal:
+            return replace(record, seconds={k: v for k, v in record.seconds.items()
+                                            if k not in (*DRAFTING, "schedule")}, drafted=False)
         return replace(record, seconds=seconds, drafted=True)
