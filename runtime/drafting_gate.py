@@ -24,7 +24,9 @@ constant; 0.5 is below what DSpark drafters accept (the demo pair: 0.72–0.89 p
 which R − probe_rows rows verify only their anchor, a high one costs the blind full drafting of
 every request that this gate exists to avoid (measured: +116 ms of a 1212 ms run at 64 requests).
 Where the table says drafting pays even at α = 0.5 (one request, a memory-bound target) the
-first step drafts every row; otherwise it probes.
+first step drafts every row; otherwise it probes. A clear decision is reused for up to `DECLINE_STEPS`
+steps while what it rests on stands (`_still_declined`; `_still_paying`: drafting paid by `PAYS_MARGIN`):
+pricing was most of a one-request step's scheduling time.
 
 Probes. At the first step and after `probe_interval` steps without drafting, the `probe_rows` rows
 with the smallest backlogs draft (cheapest to catch up; R ≤ probe_rows: all of them); their
@@ -91,7 +93,8 @@ ACCEPTANCE_DECAY = 0.9  # per step that verified drafts: the realised/expected r
 PRIOR_DRAFTS = 16.0  # pseudo-drafts accepted as expected, added to both sums of the ratio
 ACCEPTANCE_DEADBAND = 0.1  # a ratio this close to 1 is taken as 1
 MAX_ACCEPTANCE_SCALE = 1.5  # confidences that promise less than is accepted are scaled up this much at most
-DECLINE_STEPS = 8  # steps a "drafting does not pay" is reused while what it rests on has not moved
+DECLINE_STEPS = 8  # steps a "drafting does not pay" (or pays by PAYS_MARGIN) is reused while it stands
+PAYS_MARGIN = 1.25  # Θ_draft ≥ this × Θ_plain: a clear "drafting pays", reused like a decline
 MAX_PROBE_BACKOFF = 8  # probes that keep finding drafting unprofitable come at most this many times rarer
 SLOW_DRAFTER = 1.5  # a live draft factor from which probes do not back off (a slowed drafter may recover)
 DRAFTING = ("draft", "heads")  # a step's phases that draft (StepRecord.seconds)
@@ -158,6 +161,9 @@ class DraftingGate:
         self._declined: tuple[int, int, int, float] | None = None
         self._declined_steps = 0
         self._drafting = False  # the last plan drafted every row (a realised acceptance above promise counts)
+        # the last "drafting pays" by PAYS_MARGIN or more: (requests, Σ excess backlog, normal draft seconds)
+        self._paying: tuple[int, int, float] | None = None
+        self._paying_steps = 0
 
     # -- the decision ---------------------------------------------------------------------------
     def plan(self, backlogs: np.ndarray) -> GatePlan:  # backlogs [R] context rows each row has not fed
@@ -165,11 +171,18 @@ class DraftingGate:
         requests = len(backlogs)
         every = np.arange(requests)
         excess = int(self._excess(backlogs).sum())
+        if self._still_paying(requests, excess):
+            normal = self._paying[2]
+            return GatePlan(requests, every, catch_up_price(normal, excess, requests), normal, excess)
+        self._paying = None
         if not self._still_declined(requests, excess):
             normal = float(self.cost.draft_seconds(requests))
             amortised = catch_up_price(normal, excess, requests, self.catch_up_steps)
-            if self.drafting_pays(requests, amortised, drafting=self._drafting):
+            with_drafts, plain = self.throughputs(requests, amortised, drafting=self._drafting)
+            if with_drafts > plain:
                 self._declined, self._drafting, self.probe_interval = None, True, self.probe_every
+                if with_drafts >= PAYS_MARGIN * plain:
+                    self._paying, self._paying_steps = (requests, excess, normal), 0
                 return GatePlan(requests, every, catch_up_price(normal, excess, requests), normal, excess)
             self._declined, self._declined_steps = (requests, self.pool_version, excess, normal), 0
         self._drafting = False
@@ -182,6 +195,16 @@ class DraftingGate:
             np.argsort(backlogs, kind="stable")[: self.probe_rows])
         return GatePlan(requests, rows, self._price(backlogs[rows]), normal, int(self._excess(backlogs[rows]).sum()))
 
+    def _still_paying(self, requests: int, excess: int) -> bool:
+        """Whether the last "drafting pays", by `PAYS_MARGIN` or more, stands without pricing the step again:
+        the same rows, backlogs no larger, no step since that drafted and accepted no draft, for up to
+        `DECLINE_STEPS` steps (the pool and the cost model drift by less than the margin in as many)."""
+        paying = self._paying
+        if paying is None or paying[0] != requests or excess > paying[1] or self._paying_steps >= DECLINE_STEPS:
+            return False
+        self._paying_steps += 1
+        return True
+
     def _still_declined(self, requests: int, excess: int) -> bool:
         """Whether the last "drafting does not pay" stands without pricing the step again (that pricing was
         most of a one-request step's scheduling time): the same rows, pool and realised acceptance, backlogs
@@ -192,11 +215,6 @@ class DraftingGate:
             return False
         self._declined_steps += 1
         return True
-
-    def drafting_pays(self, requests: int, draft_seconds: float, *, drafting: bool = False) -> bool:
-        """Θ_draft > Θ_plain at R rows, drafting costing `draft_seconds`; `drafting`: the rows draft now."""
-        with_drafts, plain = self.throughputs(requests, draft_seconds, drafting=drafting)
-        return with_drafts > plain
 
     @property
     def acceptance_scale(self) -> float:
@@ -268,6 +286,8 @@ class DraftingGate:
             self.expected_drafts = self.expected_drafts * ACCEPTANCE_DECAY + verified[0]
             self.accepted_drafts = self.accepted_drafts * ACCEPTANCE_DECAY + verified[1]
             self.pool_version += 1
+        if len(plan.rows) and (verified is None or verified[1] == 0):
+            self._paying = None  # drafts that bought nothing: price the next step
         if not len(plan.rows):
             self.skipped += 1
             return
