@@ -1,0 +1,64 @@
+"""A clear "drafting pays" (by PAYS_MARGIN or more) is reused like a decline: not priced again for up to
+DECLINE_STEPS steps while the rows stay and their backlogs do not grow, and priced at once after a step that
+drafted and bought nothing; a narrow one is priced every step."""
+
+from __future__ import annotations
+
+import numpy as np
+from test_drafting_gate import GAMMA, SplitCost, confident
+
+from dspark.runtime.drafting_gate import DECLINE_STEPS, PAYS_MARGIN, DraftingGate
+
+
+class Counting(SplitCost):
+    calls: list[int]
+
+    def draft_seconds(self, requests: int) -> float:
+        self.calls.append(requests)
+        return super().draft_seconds(requests)
+
+
+def gate_with(per_token: float) -> tuple[DraftingGate, list[int]]:
+    cost = Counting(draft_per_request=1e-4, per_token=per_token)
+    cost.calls = []
+    return DraftingGate(cost, block_size=GAMMA, prior_acceptance=0.9), cost.calls
+
+
+LIKE_THE_PRIOR = float(np.log(9.0))  # σ = 0.9 a slot: the survivals of the prior row (α = 0.9)
+
+
+def drafting_steps(gate: DraftingGate, backlogs: np.ndarray, steps: int, accepted: int = 10) -> None:
+    """Steps that draft every row, each confident like the prior and accepting what it expected (10 drafts)."""
+    for _ in range(steps):
+        plan = gate.plan(backlogs)
+        assert plan.all
+        gate.record(plan, confident(len(backlogs), LIKE_THE_PRIOR), (10.0, accepted))
+
+
+def test_a_clear_pays_is_reused_until_a_step_buys_nothing():
+    gate, calls = gate_with(per_token=1e-5)  # verification nearly free: drafting pays by far
+    backlogs = np.full(4, 8)
+    with_drafts, plain = gate.throughputs(4, gate.cost.draft_seconds(4))
+    assert with_drafts >= PAYS_MARGIN * plain
+    calls.clear()
+    drafting_steps(gate, backlogs, 1 + DECLINE_STEPS)
+    assert len(calls) == 1  # priced once, then reused for DECLINE_STEPS steps ...
+    drafting_steps(gate, backlogs, 1)
+    assert len(calls) == 2  # ... then priced again
+    drafting_steps(gate, backlogs + 1, 1)
+    assert len(calls) == 3  # larger backlogs (drafting dearer): priced again
+    drafting_steps(gate, backlogs[:3], 1)
+    assert len(calls) == 4  # other rows: priced again
+    drafting_steps(gate, backlogs[:3], 1, accepted=0)  # a step that bought nothing ...
+    drafting_steps(gate, backlogs[:3], 1)
+    assert len(calls) == 5  # ... is priced again at once
+
+
+def test_a_narrow_pays_is_priced_every_step():
+    gate, calls = gate_with(per_token=6e-4)  # drafting pays, by less than PAYS_MARGIN
+    backlogs = np.full(4, 8)
+    with_drafts, plain = gate.throughputs(4, gate.cost.draft_seconds(4))
+    assert plain < with_drafts < PAYS_MARGIN * plain
+    calls.clear()
+    drafting_steps(gate, backlogs, 4)
+    assert len(calls) == 4
