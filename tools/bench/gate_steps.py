@@ -1,13 +1,15 @@
 """What the drafting gate's first step and probe steps cost: one run per concurrency, as the load sweep runs.
 
-    python -m dspark.tools.bench.gate_steps ENGINE_DIR --concurrency 16,64 --repeats 3
+    python -m dspark.tools.bench.gate_steps ENGINE_DIR --concurrency 16,64 --repeats 3 [--requests N]
 
 C requests (held-out windows of 32 tokens, 32 new tokens, the engine's stop token) are submitted
 at once to a fresh engine with C slots (dspark scheduler, live cost model: `Runtime`'s defaults)
-and stepped until all finish. One JSON line per run: the drafting (draft + heads phases) of step 0
-and of each later step where any row drafted, the rows that drafted in them, the drafting over the
-whole run, the run's seconds and tokens/s. Rows that drafted are those with a finite confidence
-(rows a probe left out carry −inf). A run at 4 requests warms the backend up first.
+and stepped until all finish; with `--requests N` (N > C), N requests with at most C in flight, the
+next submitted as one finishes (the load sweep's way). One JSON line per run: the drafting (draft +
+heads phases) of step 0 and of each later step where any row drafted, the rows that drafted in them,
+the drafting over the whole run, the steps in which no row drafted (`declined_steps`), the run's
+seconds and tokens/s. Rows that drafted are those with a finite confidence (rows a probe left out
+carry −inf). A run at 4 requests warms the backend up first.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import torch
 
 from dspark.runtime.api import Runtime, RuntimeOptions
 from dspark.runtime.prefix_scheduler import SchedulerConfig
-from dspark.runtime.stats import StepRecord
+from dspark.runtime.stats import EngineStats, StepRecord
 
 from .subjects import load_prompts, stop_token
 
@@ -35,17 +37,30 @@ def drafting_ms(step: StepRecord) -> float:
     return 1e3 * (step.seconds.get("draft", 0.0) + step.seconds.get("heads", 0.0))
 
 
-def run(base: Runtime, prompts: list[list[int]], concurrency: int, *, new_tokens: int, stop: int) -> dict:
+def run(base: Runtime, prompts: list[list[int]], concurrency: int, *, new_tokens: int, stop: int,
+        requests: int | None = None) -> dict:
     options = RuntimeOptions(scheduler=SchedulerConfig("dspark"), max_requests=concurrency,
                              max_seq_len=max(map(len, prompts)) + new_tokens + base.info.block_size + 1)
     engine = Runtime(base.backend, base.info, options, cost_model=base.cost_model).engine()
+    engine.stats = EngineStats(history=None)  # every step of the run
+    total = max(requests or concurrency, concurrency)
+    ids: list[int] = []
+
+    def submit_next() -> None:
+        ids.append(engine.submit(prompts[len(ids) % len(prompts)], max_new_tokens=new_tokens,
+                                 stop_token_ids=(stop,)))
+
     begin = time.perf_counter()
-    ids = [engine.submit(prompts[i % len(prompts)], max_new_tokens=new_tokens, stop_token_ids=(stop,))
-           for i in range(concurrency)]
+    for _ in range(concurrency):
+        submit_next()
+    done: dict = {}
     while not engine.idle:
         engine.step()
+        for request_id, result in engine.take_finished().items():
+            done[request_id] = result
+            if len(ids) < total:
+                submit_next()
     seconds = time.perf_counter() - begin
-    done = engine.take_finished()
     tokens = sum(len(done[i].tokens) for i in ids)
     steps = [s for s in engine.stats.steps if s.requests]
     later = [s for s in steps[1:] if drafted_rows(s)]
@@ -54,6 +69,7 @@ def run(base: Runtime, prompts: list[list[int]], concurrency: int, *, new_tokens
             "later_drafting_ms": [round(drafting_ms(s), 2) for s in later],
             "later_rows": [drafted_rows(s) for s in later], "later_requests": [s.requests for s in later],
             "run_drafting_ms": round(sum(map(drafting_ms, steps)), 2), "steps": len(steps),
+            "declined_steps": sum(not drafted_rows(s) for s in steps), "requests": total,
             "seconds": round(seconds, 4), "tokens_per_second": round(tokens / seconds, 1)}
 
 
@@ -64,6 +80,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--requests", type=int, default=None, help="Requests per run, at most C in flight.")
     args = parser.parse_args()
     base = Runtime.load(args.engine)
     tokenizer = args.engine / "tokenizer.json"
@@ -73,7 +90,8 @@ def main() -> None:
     run(base, prompts, 4, new_tokens=args.new_tokens, stop=stop)  # warm-up
     for _ in range(args.repeats):
         for concurrency in (int(c) for c in args.concurrency.split(",")):
-            print(json.dumps(run(base, prompts, concurrency, new_tokens=args.new_tokens, stop=stop)), flush=True)
+            print(json.dumps(run(base, prompts, concurrency, new_tokens=args.new_tokens, stop=stop,
+                                 requests=args.requests)), flush=True)
 
 
 if __name__ == "__main__":
