@@ -98,6 +98,7 @@ PAYS_MARGIN = 1.25  # Θ_draft ≥ this × Θ_plain: a clear "drafting pays", re
 MAX_PROBE_BACKOFF = 8  # probes that keep finding drafting unprofitable come at most this many times rarer
 SLOW_DRAFTER = 1.5  # a live draft factor from which probes do not back off (a slowed drafter may recover)
 DRAFTING = ("draft", "heads")  # a step's phases that draft (StepRecord.seconds)
+DRAFTING_STEP = (*DRAFTING, "schedule")  # what a drafting step adds to a plain one (the live model's `drafting`)
 
 
 def catch_up_price(normal: float, excess: int, rows: int, steps: int = 1) -> float:
@@ -312,7 +313,7 @@ class DraftingGate:
             return record
         scale = plan.normal / plan.price
         seconds = {k: v * scale if k in DRAFTING else v for k, v in record.seconds.items()}
-        if plan.excess and sum(seconds.get(k, 0.0) for k in (*DRAFTING, "schedule")) > plan.normal:
-            return replace(record, seconds={k: v for k, v in record.seconds.items()
-                                            if k not in (*DRAFTING, "schedule")}, drafted=False)
+        if plan.excess and sum(seconds.get(k, 0.0) for k in DRAFTING_STEP) > plan.normal:
+            return replace(record, seconds={k: v for k, v in record.seconds.items() if k not in DRAFTING_STEP},
+                           drafted=False)
         return replace(record, seconds=seconds, drafted=True)
