@@ -11,6 +11,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 from test_live_cost import PRIOR, factor, record
+from tokenizers import Tokenizer
 
 from dspark.export.cost_table import CostTable
 from dspark.models import load_pair
@@ -69,7 +70,10 @@ def device_table() -> CostTable:
     return CostTable(batches, buckets, verify, tuple(3.1e-3 + 1e-4 * r for r in batches))
 
 
-PROMPTS = ([67, 24, 319, 84, 12, 9], [5, 88, 301, 44], [120, 7, 7, 33, 250], [17, 402, 96])
+# code, as the pair was trained on: on random ids a drafter's confidences (rightly) say drafting does not pay
+PROMPT_TEXTS = ("def read_config(path):\n    with open(path) as f:", "class Node:\n    def __init__(self, value):",
+                "import os\nimport sys\n\ndef main(", "    for key, value in sorted(items):")
+PROMPTS = tuple(Tokenizer.from_file(str(DEMO_TARGET / "tokenizer.json")).encode(text).ids for text in PROMPT_TEXTS)
 
 
 def run_under(slowdowns: list[tuple[int, dict[str, float]]], monkeypatch, requests: int = 4):
@@ -99,18 +103,18 @@ def run_under(slowdowns: list[tuple[int, dict[str, float]]], monkeypatch, reques
 
 
 def test_engine_stops_drafting_within_32_steps_of_a_4x_slower_drafter_and_resumes(monkeypatch):
-    # The bundled v2 drafter accepts more, so drafting stops paying only well past 2x: measured, a 2x
+    # A drafter that accepts well stops paying only well past 2x: measured with the v2 drafter, a 2x
     # slower drafter kept drafting 38 steps and paid again after a pause; at 2.5x and 3x probes still won
     # runs of 3-4 drafting steps; from 4x on every probe is one step.
     records, _ = run_under([(48, {}), (64, {"drafter": 4.0}), (96, {})], monkeypatch)
     drafted = "".join("d" if r.drafted else "." for r in records)  # one record per step: always busy
     assert len(drafted) == 208 and drafted[:48] == "d" * 48, drafted  # drafting pays on the idle device
     react = drafted.index(".", 48) - 48
-    assert react <= 32, drafted  # measured: 8 steps
+    assert react <= 32, drafted  # measured: 11 steps (v3 pair)
     probes = drafted[48 + react : 112].count("d")
     assert probes <= 1 + (64 - react) // 16, drafted  # plain decoding but for the gate's probes
     resume = drafted.index("d" * 16, 112) - 112
-    assert resume <= 48, drafted  # measured: 28 steps (two probes at the old speed, at most 16 steps apart)
+    assert resume <= 48, drafted  # measured: 31 steps (two probes at the old speed, at most 16 steps apart)
     assert drafted.endswith("d" * 48), drafted
     per_request = [r.verified_tokens / r.requests for r in records]
     assert min(per_request[:48]) > 4  # verified tokens per request: the schedule shrinks, then grows back

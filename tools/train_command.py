@@ -136,7 +136,7 @@ def target_command(
               help="paper: 0.1·CE + 0.9·TV (+ confidence BCE); ce: CE only, DeepSpec's DFlash setting. "
                    "Default: paper for dspark, ce for dflash.")
 @click.option("--block-size", default=7, show_default=True)
-@click.option("--draft-layers", default=1, show_default=True)
+@click.option("--draft-layers", default=2, show_default=True)
 @click.option("--target-layer-ids", default=None, help="Comma-separated; default: every non-final layer.")
 @click.option("--markov-rank", default=32, show_default=True, help="Ignored for --kind dflash.")
 @click.option("--num-anchors", default=16, show_default=True)
@@ -145,7 +145,7 @@ def target_command(
                    "mixed: half of each batch from either (windows as long as the distilled rows).")
 @click.option("--distill-data", type=_EXISTING, default=None,
               help="File from `dspark train distill-data` for this target (--data target|mixed).")
-@click.option("--steps", default=1800, show_default=True)
+@click.option("--steps", default=3600, show_default=True)
 @click.option("--batch", default=8, show_default=True)
 @click.option("--seq-len", default=256, show_default=True, help="Corpus window length (--data raw).")
 @click.option("--lr", default=3e-3, show_default=True)
