@@ -5,7 +5,8 @@ One `step()`:
             (`StepBatch.prompts`); their first token (the anchor) is sampled from the prefill logits
   propose   the drafter backbone over each drafting request's new context rows and its block, then
             the heads (`DrafterRunner`); the drafting gate picks which requests draft: all, a few
-            (a probe) or none, where its cost table says drafting cannot pay (`drafting_gate`)
+            (a probe) or none, where its cost table says drafting cannot pay (`drafting_gate`); where
+            all draft, greedy requests whose history repeats may copy instead (`prompt_lookup`)
   schedule  lengths ℓ_r (`StepScheduler`: Algorithm 1, fixed, threshold, off, ...)
   verify    one target call over `StepBatch.chains` (`TargetRunner`), the acceptance rule for all
             rows at once (`verify_chains`)
@@ -33,13 +34,14 @@ from .backend import Backend
 from .capacity import Admission, Capacity
 from .chain_verifier import verify_chains
 from .cost_model import StepCost, StepCostModel
-from .drafter_runner import DrafterRunner
+from .drafter_runner import DrafterRunner, scatter_block
 from .drafting_gate import DraftingGate, SplitStepCost
 from .kv_cache import SlotCache
 from .kv_tiers import HostTier
 from .model_info import ModelInfo
 from .monitor import Monitor
 from .prefix_scheduler import Decision, SchedulerConfig, StepScheduler
+from .prompt_lookup import PromptLookup, drafted_verified, merge
 from .proposer import DraftBlock
 from .recovery.resume import resumed_tokens
 from .recovery.snapshot import RequestSnapshot
@@ -96,6 +98,8 @@ class BatchEngine:
         self.target = TargetRunner(backend, info, self.target_kv, self.kv_mode, max_width=info.block_size + 1)
         self.drafter = DrafterRunner(backend, info, self.drafter_kv)
         self.trees = TreeStepper(self) if scheduler.drafting == "tree" else None  # draft trees (tree_step)
+        self.lookup = (PromptLookup(scheduler.prompt_lookup, info.block_size, cost_model)
+                       if scheduler.copies_prompts else None)  # copied drafts beside DSpark's (prompt_lookup)
         self.queue: deque[RunningRequest] = deque()
         self.active: list[RunningRequest] = []  # row r of both caches belongs to active[r]
         self.finished: dict[int, RequestResult] = {}  # until handed off by take_finished / take_result
@@ -206,41 +210,57 @@ class BatchEngine:
         starts = np.fromiter((a.start for a in active), np.int64, rows)
         temperatures = [a.temperature for a in active]
         generators = [a.generator for a in active]
-        block, plan = None, None
+        block, plan, backlogs = None, None, None
         drafting = np.arange(rows) if self.scheduler.needs_drafts else np.arange(0)  # rows that draft
         if self.gate is not None:
-            plan = self.gate.plan(np.fromiter((a.backlog for a in active), np.int64, rows))
+            backlogs = np.fromiter((a.backlog for a in active), np.int64, rows)
+            plan = self.gate.plan(backlogs)
             drafting = plan.rows
+        # rows that copy instead, where every row drafts because it pays: a copy replaces a block worth drafting
+        copies = (self.lookup.propose(active) if self.lookup is not None and len(drafting) == rows
+                  and (plan is None or not plan.declined) else None)
+        # a probe under padded verification verifies anchors only: it is there for the drafted rows'
+        # confidences (the gate's pool), and their drafts would pad every row to their width
+        probe_only = plan is not None and plan.probe and self.scheduler.pricing == "padded"
+        if copies is not None:
+            drafting = np.setdiff1d(drafting, copies.rows, assume_unique=True)
+            if plan is not None:
+                plan = self.gate.narrowed(plan, drafting, backlogs)
         if len(drafting):
             block = self._propose(drafting, anchors, starts, temperatures, generators, seconds, begin)
             begin = time.perf_counter()
         confidence = None if block is None or block.confidence_logits is None else torch.as_tensor(
             block.confidence_logits)
         survivals = self.planner.survivals(confidence)  # read by Algorithm 1 and the gate alike
-        # a probe under padded verification verifies anchors only: it is there for the drafted rows'
-        # confidences (the gate's pool), and their drafts would pad every row to their width
-        probe_only = plan is not None and plan.probe and self.scheduler.pricing == "padded"
-        if (block is not None and not probe_only) or not self.scheduler.needs_drafts:
+        tokens = None if block is None else np.asarray(block.tokens)
+        candidates = survivals  # Algorithm 1's: the DSpark rows', and the copying rows' below
+        if copies is not None:
+            tokens, candidates = merge(copies, tokens, None if probe_only else survivals)
+        if (block is not None and not probe_only) or not self.scheduler.needs_drafts or copies is not None:
             decision = self.planner.decide(requests=rows, block_size=self.info.block_size,
-                                           confidence_logits=confidence, survivals=survivals,
+                                           confidence_logits=confidence, survivals=candidates,
                                            step_seconds=self.cost_model.seconds if self.cost_model else None)
-            if len(drafting) < rows and self.scheduler.needs_drafts:  # rows that did not draft verify their anchor
+            verifying = drafting if copies is None else np.union1d(drafting, copies.rows)
+            if len(verifying) < rows and self.scheduler.needs_drafts:  # rows that did not draft verify their anchor
                 lengths = np.zeros(rows, np.int64)
-                lengths[drafting] = np.asarray(decision.lengths, dtype=np.int64)[drafting]
+                lengths[verifying] = np.asarray(decision.lengths, dtype=np.int64)[verifying]
                 decision = replace(decision, lengths=tuple(lengths.tolist()))
         else:
             decision = Decision((0,) * rows, None, None, 0)
         begin = _phase(seconds, "schedule", begin)
-        batch = StepBatch.chains(anchors, None if block is None else np.asarray(block.tokens),
-                                 np.asarray(decision.lengths, dtype=np.int64), starts)
+        batch = StepBatch.chains(anchors, tokens, np.asarray(decision.lengths, dtype=np.int64), starts)
         out = self.target.forward(batch)
         begin = _phase(seconds, "verify", begin)
         accepted = self._reconcile(batch, out, block, temperatures, generators)
         _phase(seconds, "commit", begin)
+        if self.lookup is not None:
+            self.lookup.record(active, copies, drafting, survivals, batch.counts - 1, accepted)
         if plan is not None:
             drafts = batch.tokens - rows  # drafts verified this step (0: anchors only)
             verified = (decision.expected_accepts - rows, sum(accepted) - rows) \
                 if drafts and decision.expected_accepts is not None else None
+            if copies is not None:  # the gate learns of DSpark's drafts only
+                verified = drafted_verified(drafting, candidates, batch.counts - 1, accepted)
             self.gate.record(plan, confidence, verified, survivals)
         load = self.monitor.sample() if self.monitor else None
         record = StepRecord(
@@ -279,19 +299,7 @@ class BatchEngine:
         _phase(seconds, "heads", begin)
         if every and (order == drafting).all():
             return block
-        tokens = np.zeros((rows, self.info.block_size), np.int64)  # [R, γ]
-        tokens[order] = np.asarray(block.tokens)
-        confidence = None
-        if block.confidence_logits is not None:
-            confidence = torch.full((rows, self.info.block_size), -torch.inf)  # [R, γ]
-            confidence[torch.from_numpy(order)] = torch.as_tensor(block.confidence_logits).float()
-        logits = None  # [R, γ, V]: read for sampling rows only
-        sampled = [i for i, r in enumerate(order) if temperatures[r] > 0]
-        if sampled:
-            source = torch.as_tensor(block.logits)
-            logits = torch.zeros((rows, *source.shape[1:]), dtype=source.dtype)
-            logits[torch.from_numpy(order[sampled])] = source[sampled]
-        return DraftBlock(tokens, logits, confidence)
+        return scatter_block(block, order, rows, temperatures)
 
     def _admit(self) -> list[RunningRequest]:
         new = []

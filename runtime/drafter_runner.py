@@ -260,3 +260,23 @@ class DrafterRunner:
 
 def _contiguous(view: Array) -> Array:
     return view.contiguous() if isinstance(view, torch.Tensor) else np.ascontiguousarray(view)
+
+
+def scatter_block(block: DraftBlock, order: np.ndarray, rows: int, temperatures: Sequence[float]) -> DraftBlock:
+    """A block drafted for some active rows (`order` [k]: the active row of each drafted row) over all R rows:
+    rows that did not draft have no drafts and confidence −inf (survival 0: Algorithm 1 gives them length 0);
+    the draft logits are kept for sampling rows only (greedy verification never reads them)."""
+    gamma = block.tokens.shape[1]
+    tokens = np.zeros((rows, gamma), np.int64)  # [R, γ]
+    tokens[order] = np.asarray(block.tokens)
+    confidence = None
+    if block.confidence_logits is not None:
+        confidence = torch.full((rows, gamma), -torch.inf)  # [R, γ]
+        confidence[torch.from_numpy(order)] = torch.as_tensor(block.confidence_logits).float()
+    logits = None  # [R, γ, V]
+    sampled = [i for i, r in enumerate(order) if temperatures[r] > 0]
+    if sampled:
+        source = torch.as_tensor(block.logits)
+        logits = torch.zeros((rows, *source.shape[1:]), dtype=source.dtype)
+        logits[torch.from_numpy(order[sampled])] = source[sampled]
+    return DraftBlock(tokens, logits, confidence)

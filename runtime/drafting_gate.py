@@ -125,6 +125,7 @@ class GatePlan:
     price: float  # predicted seconds of drafting them, their whole backlogs included (0.0 if none)
     normal: float  # predicted seconds of a normal drafting step of all R rows
     excess: int = 0  # context rows they catch up beyond a normal step's (0: no catch-up)
+    declined: bool = False  # drafting does not pay: at most a probe drafts (of every row, where R <= probe_rows)
 
     @property
     def all(self) -> bool:
@@ -189,12 +190,23 @@ class DraftingGate:
         self._drafting = False
         normal = self._declined[3]
         if self.pool and self.skipped < self.probe_interval:
-            return GatePlan(requests, every[:0], 0.0, normal)
+            return GatePlan(requests, every[:0], 0.0, normal, declined=True)
         if self.pool and getattr(self.cost, "draft_factor", 1.0) < SLOW_DRAFTER:  # (the first probe: no pool)
             self.probe_interval = min(2 * self.probe_interval, MAX_PROBE_BACKOFF * self.probe_every)
         rows = every if requests <= self.probe_rows else np.sort(
             np.argsort(backlogs, kind="stable")[: self.probe_rows])
-        return GatePlan(requests, rows, self._price(backlogs[rows]), normal, int(self._excess(backlogs[rows]).sum()))
+        return GatePlan(requests, rows, self._price(backlogs[rows]), normal, int(self._excess(backlogs[rows]).sum()),
+                        declined=True)
+
+    def narrowed(self, plan: GatePlan, rows: np.ndarray, backlogs: np.ndarray) -> GatePlan:
+        """`plan` with only `rows` of its rows drafting (the others copy their drafts: prompt_lookup), priced
+        again, so that what the step's drafting teaches the cost model is normalised to the rows that drafted."""
+        if len(rows) == len(plan.rows):
+            return plan
+        if not len(rows):
+            return GatePlan(plan.requests, rows, 0.0, plan.normal, declined=plan.declined)
+        return GatePlan(plan.requests, rows, self._price(backlogs[rows]), plan.normal,
+                        int(self._excess(backlogs[rows]).sum()), plan.declined)
 
     def _still_paying(self, requests: int, excess: int) -> bool:
         """Whether the last "drafting pays", by `PAYS_MARGIN` or more, stands without pricing the step again:

@@ -10,7 +10,9 @@ with a survival ≥ a_{r,j}, never on the draft token x_{r,j} itself (Appendix A
 Modes: `dspark` (Algorithm 1), `async` (§5.2: top-K by current survival, the capacity K from an
 unconstrained search over the confidences of two steps earlier; `async_scheduler.py`), `fixed`
 (γ' tokens), `threshold` (first per-slot confidence below a threshold, DeepSpec's static rule),
-`off` (0 drafts: plain autoregressive decoding).
+`off` (0 drafts: plain autoregressive decoding). In `dspark` mode with chain drafting, greedy requests may
+verify a prompt-lookup copy instead of a DSpark block (`prompt_lookup`, n = 3 by default; 0: off): the
+copies enter Algorithm 1 as candidates beside the DSpark rows'.
 
 Algorithm 1 itself (`admit_by_throughput`, `ThroughputRule`) is written once here; the tree node
 scheduler (`tree_builder.node_budgets`, and `build_tree` while it grows a tree) runs the same rule
@@ -53,6 +55,9 @@ class SchedulerConfig:
     drafting: str = "chain"
     tree_nodes: int = 16  # tree drafting: draft nodes per request at most (`fixed`: exactly, where the block allows)
     tree_top_k: int = 4  # tree drafting: children offered per expanded node
+    # `dspark` chain drafting, n > 0: a greedy request whose last n tokens occurred earlier may verify what
+    # followed there instead of a DSpark block (prompt_lookup.py); 0: off
+    prompt_lookup: int = 3
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -69,6 +74,8 @@ class SchedulerConfig:
             raise SchedulerConfigError(f"drafting '{self.drafting}' is unknown; choose one of {DRAFTING}")
         if self.drafting == "tree" and self.mode not in ("dspark", "fixed"):
             raise SchedulerConfigError(f"tree drafting runs with mode 'dspark' or 'fixed', not '{self.mode}'")
+        if self.prompt_lookup < 0:
+            raise SchedulerConfigError(f"prompt_lookup must be >= 0 (0: off), got {self.prompt_lookup}")
         if self.tree_nodes < 0 or self.tree_top_k < 1:
             raise SchedulerConfigError(f"tree_nodes must be >= 0 and tree_top_k >= 1, got {self.tree_nodes}, "
                                        f"{self.tree_top_k}")
@@ -76,6 +83,11 @@ class SchedulerConfig:
     @property
     def needs_drafts(self) -> bool:
         return self.mode != "off" and not (self.mode == "fixed" and self.fixed_length == 0)
+
+    @property
+    def copies_prompts(self) -> bool:
+        """Whether greedy requests may verify prompt-lookup copies (mode `dspark`, chain drafting)."""
+        return self.prompt_lookup > 0 and self.mode == "dspark" and self.drafting == "chain"
 
     @property
     def needs_cost_model(self) -> bool:
@@ -262,7 +274,7 @@ def schedule(
     if config.mode == "fixed":
         k = block_size if config.fixed_length is None else min(config.fixed_length, block_size)
         return Decision((k,) * requests, None, None, 0)
-    if confidence_logits is None:
+    if confidence_logits is None and (survivals is None or config.mode != "dspark"):
         raise SchedulerConfigError(f"scheduler mode '{config.mode}' needs a drafter with a confidence head")
     if config.mode == "threshold":
         lengths = tuple(threshold_length(row, config.threshold) for row in confidence_logits)

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from .prompt_lookup import LookupState
 from .stats import RequestResult
 
 
@@ -28,6 +29,7 @@ class RunningRequest:
     pending: list[np.ndarray] = field(default_factory=list)  # [n, F] context rows the drafter has not seen
     pending_rows: int = 0  # their count, kept as they come: read for every row every step
     fed: int = 0  # of those, rows a drafter before a restart had seen: the gate prices backlogs without them
+    lookup: LookupState | None = None  # its n-gram index and estimates, under prompt lookup (prompt_lookup)
 
     @property
     def backlog(self) -> int:

@@ -198,7 +198,8 @@ def test_engine_without_checkpoints(bench_out: Path, tmp_path: Path) -> None:
     assert "acceptance" not in results and results["acceptance_status"].startswith("skipped")
     assert results["single_stream"]["reference"].startswith("dspark autoregressive")
     systems = [r["system"] for r in results["single_stream"]["rows"]]
-    assert systems == ["dspark scheduler", "dspark fixed γ=3", "dspark fixed γ=7", "dspark autoregressive"]
+    assert systems == ["dspark scheduler", "dspark scheduler, no prompt lookup", "dspark fixed γ=3", "dspark fixed γ=7",
+                       "dspark autoregressive"]
     assert all(r["greedy_check"]["equal"] for r in results["single_stream"]["rows"])
     assert "acceptance.png" not in results["plots"] and "pareto.png" in results["plots"]
 

@@ -308,7 +308,7 @@ def engine_for(cost: SplitCost, slots: int = 8) -> tuple[BatchEngine, Recorder]:
     backend = TorchBackend(target, drafter)
     recorder = Recorder(backend)
     engine = BatchEngine(backend, ModelInfo.from_models(target, drafter), capacity=Capacity(slots, 1 << 16, 1024),
-                         scheduler=SchedulerConfig("dspark"), cost_model=cost, kv_mode="concat")
+                         scheduler=SchedulerConfig("dspark", prompt_lookup=0), cost_model=cost, kv_mode="concat")
     return engine, recorder
 
 

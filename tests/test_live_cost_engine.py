@@ -85,7 +85,7 @@ def run_under(slowdowns: list[tuple[int, dict[str, float]]], monkeypatch, reques
     device = SlowableDevice(TorchBackend(target, drafter), clock)
     live = LiveStepCost(device_table())
     engine = BatchEngine(device, ModelInfo.from_models(target, drafter), capacity=Capacity(requests, 8192, 1024),
-                         scheduler=SchedulerConfig("dspark"), cost_model=live, kv_mode="concat")
+                         scheduler=SchedulerConfig("dspark", prompt_lookup=0), cost_model=live, kv_mode="concat")
     records: list[StepRecord] = []
     load: list[float] = []
     submitted = 0

@@ -31,6 +31,9 @@ _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 @click.option("--scheduler", default="dspark", show_default=True,  # prefix_scheduler.MODES (no torch import here)
               type=click.Choice(["dspark", "async", "fixed", "threshold", "off"]),
               help="dspark: Algorithm 1; async: its §5.2 form, batch size from the confidences of two steps earlier.")
+@click.option("--prompt-lookup", default=3, show_default=True, type=click.IntRange(min=0),
+              help="--scheduler dspark: greedy requests may verify what followed their last N tokens earlier "
+                   "instead of a DSpark block, where that is expected to pay; 0: off.")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]))
 @click.option("--host-kv-tokens", default=0, show_default=True, type=click.IntRange(min=0),
@@ -62,8 +65,9 @@ _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 @click.option("--threads", type=click.IntRange(min=0), help="ONNX Runtime intra-op threads (0: every core; "
               "default: the engine's own count, the one its SPS table was measured with).")
 def serve(engine_dir, host, port, api_key, max_queue, max_tokens_per_request, max_requests, max_seq_len,
-          max_body_bytes, model_name, scheduler, log_level, replicas, routing, ray_address, cpus_per_replica,
-          journal_dir, journal_fsync, host_kv_tokens, engine_process, engine_restarts, threads) -> None:
+          max_body_bytes, model_name, scheduler, prompt_lookup, log_level, replicas, routing, ray_address,
+          cpus_per_replica, journal_dir, journal_fsync, host_kv_tokens, engine_process, engine_restarts,
+          threads) -> None:
     """Serve /v1/completions and /v1/chat/completions (OpenAI protocol), /metrics and /dashboard."""
     try:
         import uvicorn  # noqa: F401 - fail now, with the fix, not after loading the engine
@@ -94,13 +98,14 @@ def serve(engine_dir, host, port, api_key, max_queue, max_tokens_per_request, ma
     if engine_process:  # this process stays the front end: no torch here, the engine process has it
         from dspark.tools.serve_engine import serve_engine_process
 
-        serve_engine_process(engine_dir, {"scheduler": scheduler, **fields}, threads, config, host=host, port=port,
+        opener = {"scheduler": scheduler, "prompt_lookup": prompt_lookup, **fields}
+        serve_engine_process(engine_dir, opener, threads, config, host=host, port=port,
                              max_queue=max_queue, log_level=log_level, restarts=engine_restarts)
         return
     from dspark.runtime.api import Runtime, RuntimeOptions
     from dspark.runtime.prefix_scheduler import SchedulerConfig
 
-    options = RuntimeOptions(scheduler=SchedulerConfig(scheduler), **fields)
+    options = RuntimeOptions(scheduler=SchedulerConfig(scheduler, prompt_lookup=prompt_lookup), **fields)
     if replicas:
         from dspark.runtime.cluster.launch import serve_replicas
         from dspark.runtime.cluster.replica import EngineSpec

@@ -106,13 +106,16 @@ def _wire(record: StepRecord | None) -> StepRecord | None:
     return replace(record, confidence_logits=record.confidence_logits.detach().cpu().numpy())
 
 
-def load_runtime(engine_dir: str, threads: int | None = None, *, scheduler: str = "dspark", **options: Any) -> Runtime:
-    """`Runtime.load(engine_dir, RuntimeOptions(scheduler=SchedulerConfig(scheduler), **options), threads=threads)`,
-    as an opener the front end can pickle (`functools.partial(load_runtime, ...)`) without importing torch."""
+def load_runtime(engine_dir: str, threads: int | None = None, *, scheduler: str = "dspark", prompt_lookup: int = 3,
+                 **options: Any) -> Runtime:
+    """`Runtime.load(engine_dir, RuntimeOptions(scheduler=SchedulerConfig(scheduler, prompt_lookup=prompt_lookup),
+    **options), threads=threads)`, as an opener the front end can pickle (`functools.partial(load_runtime, ...)`)
+    without importing torch."""
     from ..api import Runtime, RuntimeOptions
     from ..prefix_scheduler import SchedulerConfig
 
-    return Runtime.load(engine_dir, RuntimeOptions(scheduler=SchedulerConfig(scheduler), **options), threads=threads)
+    config = SchedulerConfig(scheduler, prompt_lookup=prompt_lookup)
+    return Runtime.load(engine_dir, RuntimeOptions(scheduler=config, **options), threads=threads)
 
 
 def run_engine_process(open_runtime: Callable[[], Runtime], commands: Connection, out: Connection, max_queue: int,

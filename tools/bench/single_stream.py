@@ -52,6 +52,8 @@ def runtime_systems(base: Runtime, *, stop: int, max_seq_len: int,
     systems = []
     if base.info.has_confidence:
         systems.append(System("dspark scheduler", name, runner(SchedulerConfig("dspark"))))
+        systems.append(System("dspark scheduler, no prompt lookup", name,
+                              runner(SchedulerConfig("dspark", prompt_lookup=0))))
     for g in sorted({min(g, gamma) for g in fixed_gammas}):
         systems.append(System(f"dspark fixed γ={g}", name, runner(SchedulerConfig("fixed", fixed_length=g))))
     systems.append(System("dspark autoregressive", name, runner(SchedulerConfig("off"))))

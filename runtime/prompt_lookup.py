@@ -1,0 +1,223 @@
+"""Prompt-lookup drafts beside the DSpark drafter: copy what followed the last n tokens earlier on.
+
+Code, retrieval and chat histories repeat themselves; where a request's last n committed tokens
+occurred before in its prompt or output, the tokens that followed them there are a draft that costs
+no drafter call (onnxruntime-genai's and vLLM's n-gram speculation, transformers' prompt lookup).
+Here it is a second proposer, per request and per step: a greedy request whose history has such a
+match verifies the copied tokens instead of drafting with DSpark when copying is expected to return
+more tokens per second, and is then skipped by the drafter (its context rows wait for its next
+DSpark step, like a row the drafting gate left out). Only in steps where the drafting gate lets every
+row draft: a copy replaces a block that drafting was expected to pay for, and never adds verification
+where the gate found drafting does not pay (measured, 16 requests on the demo engine: copies verified
+in steps the gate declined widened the padded verification 2.8x for 1.5x the accepted tokens, and the
+run ran at 0.57x the gate's).
+
+The choice. Each request keeps the copied drafts' acceptance, p = per-token chance that a copied
+draft survives given its prefix did (successes and failures of its own lookup steps, decayed by
+`ACCEPTANCE_DECAY` a copy and by `FORGET_DECAY` a step with a match that did not copy, with `PRIOR_TRIALS`
+pseudo-trials at an optimistic `PRIOR_ACCEPTANCE`, so that a request whose copies failed tries again some
+steps later), so a copy of ℓ tokens
+is expected to add Σ_{j≤ℓ} p^j accepted drafts; and the survival sum of its last DSpark blocks
+(Σ_j Π_{i≤j} c_i, the confidence head's expected accepted drafts of a full block; the engine's mean
+for a request that has not drafted yet). Per row, with the step cost model's shares of drafting and
+verifying (`SplitStepCost`), it copies iff
+
+    (1 + Σ p^j) / verify  ≥  (1 + expected DSpark accepts) / (draft + verify).
+
+The copied drafts then enter Algorithm 1 as candidates of survival p^j, beside the DSpark rows' own
+survivals: how many are verified is priced like every other draft.
+
+Lossless: the match, the copy and p depend on committed tokens and earlier steps only, never on this
+step's drafts; a copied draft is a deterministic proposal, so under greedy verification a row's
+output is the target's argmax chain whatever it verifies. Sampling rows never copy (a deterministic
+draft needs the rejection rule with a point-mass q, which this proposer does not feed).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+ACCEPTANCE_DECAY = 0.8  # per lookup step of the request: p follows its last ~5 copies
+FORGET_DECAY = 0.95  # per step with a match that did not copy: failed copies are retried ~15-30 steps later
+PRIOR_TRIALS = 1.0  # pseudo-trials in p's estimate, at PRIOR_ACCEPTANCE
+PRIOR_ACCEPTANCE = 0.8  # optimistic: a copy that fails costs one verify-only step, and teaches p
+DSPARK_DECAY = 0.8  # per DSpark step of the request: the expected accepts follow its last ~5 blocks
+
+
+@dataclass
+class LookupState:
+    """One request's n-gram index over its committed tokens (prompt, then output) and its two estimates."""
+
+    n: int
+    ends: dict[tuple[int, ...], int] = field(default_factory=dict)  # n-gram -> end of its latest occurrence
+    indexed: int = 0  # n-grams ending before this position are in `ends`
+    successes: float = 0.0  # decayed copied drafts accepted
+    failures: float = 0.0  # decayed copied drafts rejected (at most one a step)
+    dspark_accepts: float | None = None  # decayed mean survival sum of its DSpark blocks; None before any
+
+    def continuation(self, prompt: list[int], tokens: list[int], limit: int) -> list[int]:
+        """`limit` tokens that followed the latest earlier occurrence of the history's last n tokens (history =
+        prompt + tokens; where they run into the present, the repeat continues), [] without one. Indexes the
+        positions added since the last call."""
+        n, size, cut = self.n, len(prompt) + len(tokens), len(prompt)
+
+        def window(begin: int, end: int) -> list[int]:
+            if end <= cut:
+                return prompt[begin:end]
+            if begin >= cut:
+                return tokens[begin - cut : end - cut]
+            return prompt[begin:] + tokens[: end - cut]
+
+        if size <= n:
+            return []
+        # n-grams ending at n .. size - 1: every one but the history's own suffix
+        for end in range(max(self.indexed, n), size):
+            self.ends[tuple(window(end - n, end))] = end
+        self.indexed = max(self.indexed, size)
+        end = self.ends.get(tuple(window(size - n, size)))
+        if end is None:
+            return []
+        copy = window(end, min(end + limit, size))
+        while len(copy) < limit:  # the match runs into the present: the pattern repeats with period size - end
+            copy += copy[: limit - len(copy)]
+        return copy
+
+    @property
+    def acceptance(self) -> float:
+        """p: the chance a copied draft survives given its prefix did."""
+        return (self.successes + PRIOR_ACCEPTANCE * PRIOR_TRIALS) / (self.successes + self.failures + PRIOR_TRIALS)
+
+    def survivals(self, length: int, block_size: int) -> np.ndarray:
+        """[γ] p^j for the copy's `length` slots, 0 after."""
+        out = np.zeros(block_size)
+        out[:length] = self.acceptance ** np.arange(1, length + 1)
+        return out
+
+    def verified(self, drafts: int, accepted: int) -> None:
+        """A lookup step verified `drafts` copied drafts and accepted `accepted` of them."""
+        if drafts:
+            self.successes = self.successes * ACCEPTANCE_DECAY + accepted
+            self.failures = self.failures * ACCEPTANCE_DECAY + (accepted < drafts)
+
+    def forget(self) -> None:
+        """A step with a match that did not copy: what the request's copies taught fades, slowly."""
+        self.successes *= FORGET_DECAY
+        self.failures *= FORGET_DECAY
+
+    def drafted(self, survival_sum: float) -> None:
+        """A DSpark step drafted a block whose survivals sum to `survival_sum`."""
+        previous = self.dspark_accepts
+        self.dspark_accepts = survival_sum if previous is None else (
+            DSPARK_DECAY * previous + (1.0 - DSPARK_DECAY) * survival_sum)
+
+
+@dataclass(frozen=True)
+class LookupDrafts:
+    """One step's copied drafts over the R active rows."""
+
+    rows: np.ndarray  # [k] rows that verify copied drafts instead of drafting with DSpark, ascending
+    tokens: np.ndarray  # [R, γ] int64, row r's copy first (rows not in `rows`: zeros)
+    survivals: np.ndarray  # [R, γ] p^j over each copy (rows not in `rows`: zeros)
+
+
+def copies_pay(lookup_accepts: float, dspark_accepts: float, draft_share: float, verify_share: float) -> bool:
+    """The module docstring's rule: tokens per second of a copy against a DSpark block, per row."""
+    return (1.0 + lookup_accepts) * (draft_share + verify_share) >= (1.0 + dspark_accepts) * verify_share
+
+
+class PromptLookup:
+    """The engine's lookup proposer: asked once a step for the rows that copy (`propose`), told what their
+    verification and the DSpark rows' blocks showed (`record`). Keeps its per-request state on each
+    `RunningRequest.lookup`, so it follows the request through row moves and host tiers."""
+
+    def __init__(self, n: int, block_size: int, cost: object | None = None) -> None:
+        if n < 1:
+            raise ValueError(f"prompt lookup needs n >= 1, got {n}")
+        self.n, self.block_size, self.cost = n, block_size, cost
+        self.dspark_accepts: float | None = None  # engine-wide decayed mean survival sum of DSpark blocks
+        self._shares: tuple[int, float, float] | None = None  # (R, draft share, verify share) last priced
+        self.copies = 0  # rows that verified a copy, over the engine's life
+        self.copies_accepted = 0  # copied drafts accepted, over the engine's life
+
+    def shares(self, requests: int) -> tuple[float, float]:
+        """(drafting, verifying) seconds of one row's full block, as the cost model prices R rows; (0, 1)
+        without a cost model that prices them apart (then a copy must promise what DSpark does)."""
+        if self._shares is not None and self._shares[0] == requests:
+            return self._shares[1:]
+        draft = getattr(self.cost, "draft_seconds", None)
+        verify = getattr(self.cost, "verify_seconds", None)
+        if draft is None or verify is None:
+            return 0.0, 1.0
+        width = requests * (1 + self.block_size)
+        self._shares = (requests, float(draft(requests)) / requests, float(verify(requests, width)) / requests)
+        return self._shares[1:]
+
+    def propose(self, active: list) -> LookupDrafts | None:
+        """The greedy rows of `active` (RunningRequest) that copy this step, with their copies; None if none."""
+        rows, gamma = len(active), self.block_size
+        draft_share, verify_share = self.shares(rows)
+        chosen, tokens, survivals = [], None, None
+        for r, a in enumerate(active):
+            if a.temperature > 0:
+                continue
+            if a.lookup is None:
+                a.lookup = LookupState(self.n)
+            state = a.lookup
+            copy = state.continuation(a.result.prompt_ids, a.result.tokens, gamma)
+            dspark = state.dspark_accepts if state.dspark_accepts is not None else self.dspark_accepts
+            if not copy or dspark is None:  # no match, or nothing yet to weigh a copy against: DSpark drafts
+                continue
+            row = state.survivals(len(copy), gamma)
+            if not copies_pay(float(row.sum()), dspark, draft_share, verify_share):
+                state.forget()  # p drifts back to its prior: a request whose copies failed tries again later
+                continue
+            if tokens is None:
+                tokens, survivals = np.zeros((rows, gamma), np.int64), np.zeros((rows, gamma))
+            chosen.append(r)
+            tokens[r, : len(copy)] = copy
+            survivals[r] = row
+        return None if not chosen else LookupDrafts(np.array(chosen, np.int64), tokens, survivals)
+
+    def record(self, active: list, copies: LookupDrafts | None, drafted: np.ndarray,
+               survivals: np.ndarray | None, lengths: np.ndarray, accepted: list[int]) -> None:
+        """After verification: rows in `copies` verified lengths[r] copied drafts and kept accepted[r] - 1 of
+        them; rows `drafted` drafted DSpark blocks whose survivals [R, γ] are `survivals`."""
+        if copies is not None:
+            for r in copies.rows.tolist():
+                active[r].lookup.verified(int(lengths[r]), accepted[r] - 1)
+                self.copies += 1
+                self.copies_accepted += accepted[r] - 1
+        if survivals is None or not len(drafted):
+            return
+        sums = survivals[drafted].sum(axis=1).tolist()
+        for r, total in zip(drafted.tolist(), sums, strict=True):
+            state = active[r].lookup
+            if state is not None:
+                state.drafted(total)
+        mean = float(np.mean(sums))
+        previous = self.dspark_accepts
+        self.dspark_accepts = mean if previous is None else DSPARK_DECAY * previous + (1.0 - DSPARK_DECAY) * mean
+
+
+def merge(copies: LookupDrafts, tokens: np.ndarray | None, survivals: np.ndarray | None
+          ) -> tuple[np.ndarray, np.ndarray]:
+    """This step's draft tokens and Algorithm 1's survivals [R, γ]: the DSpark rows' (None: no row drafted;
+    rows that did not draft carry survival 0) with the copying rows' in place."""
+    tokens = copies.tokens.copy() if tokens is None else np.array(tokens, dtype=np.int64)
+    survivals = np.zeros(copies.survivals.shape) if survivals is None else survivals.copy()
+    tokens[copies.rows], survivals[copies.rows] = copies.tokens[copies.rows], copies.survivals[copies.rows]
+    return tokens, survivals
+
+
+def drafted_verified(drafted: np.ndarray, survivals: np.ndarray, lengths: np.ndarray,
+                     accepted: list[int]) -> tuple[float, int] | None:
+    """(drafts Algorithm 1 expected accepted, drafts accepted) over the rows that drafted with DSpark, as the
+    drafting gate learns them; None when they verified no draft. survivals [R, γ], lengths [R] verified
+    drafts, accepted [R] tokens kept (drafts + 1)."""
+    verified = lengths[drafted]
+    if not len(drafted) or not verified.any():
+        return None
+    expected = float(sum(survivals[r, :k].sum() for r, k in zip(drafted.tolist(), verified.tolist(), strict=True)))
+    return expected, int(sum(accepted[r] - 1 for r in drafted.tolist()))

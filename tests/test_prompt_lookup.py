@@ -1,0 +1,170 @@
+"""Prompt-lookup drafts beside DSpark's: the incremental n-gram index against a brute-force search, the
+per-request estimates, the copy-or-draft rule, and the engine on the demo pair: greedy output stays the
+target's own, copies are used where history repeats, a request whose copies fail stops copying, sampling
+rows never copy, and nothing is copied in steps where the drafting gate declines."""
+
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from test_live_cost_engine import device_table
+from tokenizers import Tokenizer
+
+from dspark.export.cost_table import CostTable
+from dspark.models import load_pair
+from dspark.runtime import prompt_lookup
+from dspark.runtime.batch_loop import BatchEngine
+from dspark.runtime.capacity import Capacity
+from dspark.runtime.model_info import ModelInfo
+from dspark.runtime.prefix_scheduler import SchedulerConfig, SchedulerConfigError
+from dspark.runtime.prompt_lookup import LookupState, PromptLookup, copies_pay
+from dspark.runtime.torch_backend import TorchBackend
+from dspark.tools.demo_engine import DEMO_DRAFTER, DEMO_TARGET
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def brute_continuation(history: list[int], n: int, limit: int) -> list[int]:
+    """The latest earlier occurrence of the last n tokens, by scanning every position."""
+    size = len(history)
+    if size <= n:
+        return []
+    for end in range(size - 1, n - 1, -1):
+        if history[end - n : end] == history[-n:]:
+            copy = history[end : min(end + limit, size)]
+            while len(copy) < limit:
+                copy += copy[: limit - len(copy)]
+            return copy
+    return []
+
+
+def test_incremental_index_finds_what_a_brute_force_search_finds():
+    rng = random.Random(0)
+    checked = hits = 0
+    for trial in range(400):
+        n, limit, vocab = rng.randint(1, 4), rng.randint(1, 8), rng.randint(2, 6)
+        prompt = [rng.randrange(vocab) for _ in range(rng.randint(0, 12))]
+        state, tokens = LookupState(n), []
+        for _ in range(rng.randint(1, 10)):  # tokens arrive a few at a time, as steps commit them
+            tokens += [rng.randrange(vocab) for _ in range(rng.randint(1, 4))]
+            want = brute_continuation(prompt + tokens, n, limit)
+            assert state.continuation(prompt, tokens, limit) == want, (trial, prompt, tokens, n, limit)
+            checked, hits = checked + 1, hits + bool(want)
+    assert checked > 1000 and 0.2 * checked < hits < checked  # matches and misses both exercised
+
+
+def test_acceptance_learns_from_copies_and_drifts_back_after_failures():
+    state = LookupState(3)
+    assert state.acceptance == pytest.approx(prompt_lookup.PRIOR_ACCEPTANCE)
+    state.verified(7, 7)
+    assert state.acceptance > 0.9
+    for _ in range(10):
+        state.verified(7, 0)
+    low = state.acceptance
+    assert low < 0.35
+    for _ in range(40):
+        state.forget()
+    assert low < state.acceptance < prompt_lookup.PRIOR_ACCEPTANCE  # tries again, not at once
+    assert state.survivals(3, 5).tolist() == pytest.approx([state.acceptance ** k for k in (1, 2, 3)] + [0, 0])
+
+
+def test_a_copy_is_chosen_when_it_returns_more_tokens_per_second():
+    assert copies_pay(3.0, 4.0, draft_share=1.0, verify_share=1.0)  # 4 tokens in 1 s against 5 in 2 s
+    assert not copies_pay(1.0, 4.0, draft_share=1.0, verify_share=1.0)  # 2 in 1 s against 5 in 2 s
+    assert not copies_pay(3.0, 4.0, draft_share=0.1, verify_share=1.0)  # drafting nearly free: DSpark's 5
+    assert copies_pay(4.0, 4.0, draft_share=0.0, verify_share=1.0)  # no split cost model: promise as much
+
+
+def request(prompt: list[int], tokens: list[int], temperature: float = 0.0) -> SimpleNamespace:
+    return SimpleNamespace(temperature=temperature, lookup=None,
+                           result=SimpleNamespace(prompt_ids=prompt, tokens=tokens))
+
+
+def test_sampling_rows_never_copy_and_nothing_is_weighed_before_a_dspark_block():
+    lookup = PromptLookup(2, block_size=4, cost=device_table())
+    repeating = [5, 6, 7, 8] * 4
+    active = [request(repeating, [5]), request(repeating, [5], temperature=1.0)]
+    assert lookup.propose(active) is None  # no DSpark block seen yet: nothing to weigh a copy against
+    lookup.dspark_accepts = 1.0
+    copies = lookup.propose(active)
+    assert copies.rows.tolist() == [0]
+    assert copies.tokens[0].tolist() == [6, 7, 8, 5] and copies.tokens[1].tolist() == [0, 0, 0, 0]
+    assert copies.survivals[0, 0] == pytest.approx(prompt_lookup.PRIOR_ACCEPTANCE) and not copies.survivals[1].any()
+
+
+def test_config_rejects_a_negative_n():
+    with pytest.raises(SchedulerConfigError, match="prompt_lookup"):
+        SchedulerConfig("dspark", prompt_lookup=-1)
+    assert SchedulerConfig("dspark").copies_prompts and not SchedulerConfig("fixed").copies_prompts
+    assert not SchedulerConfig("dspark", prompt_lookup=0).copies_prompts
+
+
+# code with repeats, as the demo pair was trained on; its greedy continuations repeat too
+PROMPT_TEXTS = ("    x = self.x\n    y = self.y\n    x = self.x\n    y = self.y\n",
+                "def f(a):\n    return a\n\ndef g(a):\n    return a\n\ndef h(a):\n",
+                "import os\nimport sys\nimport os\nimport sys\nimport")
+PROMPTS = [Tokenizer.from_file(str(DEMO_TARGET / "tokenizer.json")).encode(text).ids for text in PROMPT_TEXTS]
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return load_pair(DEMO_TARGET, DEMO_DRAFTER)
+
+
+def decode(pair, scheduler: SchedulerConfig, cost: CostTable, prompts=PROMPTS, new_tokens: int = 48,
+           temperatures=None) -> tuple[list[list[int]], BatchEngine]:
+    target, drafter = pair
+    engine = BatchEngine(TorchBackend(target, drafter), ModelInfo.from_models(target, drafter),
+                         capacity=Capacity(len(prompts), 8192, 512), scheduler=scheduler, cost_model=cost,
+                         kv_mode="concat")
+    ids = [engine.submit(p, max_new_tokens=new_tokens, temperature=(temperatures or [0.0] * len(prompts))[i], seed=i)
+           for i, p in enumerate(prompts)]
+    done = engine.run_until_done()
+    return [done[i].tokens for i in ids], engine
+
+
+def test_engine_greedy_output_is_the_targets_and_copies_are_used(pair):
+    plain, _ = decode(pair, SchedulerConfig("off"), device_table())
+    single, engine = decode(pair, SchedulerConfig("dspark", prompt_lookup=3), device_table(), prompts=PROMPTS[:1])
+    assert single == plain[:1]
+    assert engine.lookup.copies > 0 and engine.lookup.copies_accepted > engine.lookup.copies  # > 1 draft a copy
+    batched, engine = decode(pair, SchedulerConfig("dspark", prompt_lookup=3), device_table())
+    assert batched == plain
+    assert engine.lookup.copies > 0
+
+
+def test_a_request_whose_copies_fail_stops_copying(pair, monkeypatch):
+    _, honest = decode(pair, SchedulerConfig("dspark", prompt_lookup=3), device_table(), prompts=PROMPTS[:1],
+                       new_tokens=96)
+    vocab = pair[0].config.vocab_size
+    # every copy a wrong token: each costs a step that verifies nothing, so p must fall and copies stop
+    monkeypatch.setattr(LookupState, "continuation",
+                        lambda self, prompt, tokens, limit: [(tokens[-1] + 1 + k) % vocab for k in range(limit)])
+    wrong, engine = decode(pair, SchedulerConfig("dspark", prompt_lookup=3), device_table(), prompts=PROMPTS[:1],
+                           new_tokens=96)
+    plain, _ = decode(pair, SchedulerConfig("off"), device_table(), prompts=PROMPTS[:1], new_tokens=96)
+    assert wrong == plain  # lossless whatever is copied
+    steps = engine.steps_run
+    assert engine.lookup.copies_accepted <= engine.lookup.copies // 4  # (a wrong copy may still be right)
+    assert engine.lookup.copies <= steps // 4, (engine.lookup.copies, steps)  # measured: 3 of 26 steps
+    assert honest.lookup.copies / honest.steps_run >= 2 * engine.lookup.copies / steps  # measured: 11 of 18
+
+
+def test_no_copies_where_the_gate_declines_drafting(pair):
+    table = device_table()
+    slow = CostTable(table.batches, table.buckets, table.verify, tuple(100 * d for d in table.draft))
+    _, engine = decode(pair, SchedulerConfig("dspark", prompt_lookup=3), slow)
+    drafted = [s for s in engine.stats.steps if s.confidence_logits is not None]
+    assert engine.lookup.copies == 0 and len(drafted) <= 2 + engine.steps_run // 16  # probes alone drafted
+
+
+def test_sampling_rows_decode_beside_copying_greedy_rows(pair):
+    temperatures = [0.0, 1.0, 0.0]
+    plain, _ = decode(pair, SchedulerConfig("off"), device_table())
+    mixed, engine = decode(pair, SchedulerConfig("dspark", prompt_lookup=3), device_table(), temperatures=temperatures)
+    assert mixed[0] == plain[0] and mixed[2] == plain[2] and len(mixed[1]) == 48
+    assert engine.lookup.copies > 0
+    assert np.all(np.array([len(t) for t in mixed]) == 48)
