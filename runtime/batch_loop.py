@@ -223,7 +223,7 @@ class BatchEngine:
         # confidences (the gate's pool), and their drafts would pad every row to their width
         probe_only = plan is not None and plan.probe and self.scheduler.pricing == "padded"
         if copies is not None:
-            drafting = np.setdiff1d(drafting, copies.rows, assume_unique=True)
+            drafting = np.delete(drafting, copies.rows)  # every row drafted: row r is drafting[r]
             if plan is not None:
                 plan = self.gate.narrowed(plan, drafting, backlogs)
         if len(drafting):
@@ -240,7 +240,7 @@ class BatchEngine:
             decision = self.planner.decide(requests=rows, block_size=self.info.block_size,
                                            confidence_logits=confidence, survivals=candidates,
                                            step_seconds=self.cost_model.seconds if self.cost_model else None)
-            verifying = drafting if copies is None else np.union1d(drafting, copies.rows)
+            verifying = drafting if copies is None else np.sort(np.concatenate((drafting, copies.rows)))
             if len(verifying) < rows and self.scheduler.needs_drafts:  # rows that did not draft verify their anchor
                 lengths = np.zeros(rows, np.int64)
                 lengths[verifying] = np.asarray(decision.lengths, dtype=np.int64)[verifying]
