@@ -41,7 +41,7 @@ from .kv_tiers import HostTier
 from .model_info import ModelInfo
 from .monitor import Monitor
 from .prefix_scheduler import Decision, SchedulerConfig, StepScheduler
-from .prompt_lookup import PromptLookup, drafted_verified, merge
+from .prompt_lookup import PromptLookup, copy_logits, drafted_verified, merge
 from .proposer import DraftBlock
 from .recovery.resume import resumed_tokens
 from .recovery.snapshot import RequestSnapshot
@@ -236,6 +236,8 @@ class BatchEngine:
         candidates = survivals  # Algorithm 1's: the DSpark rows', and the copying rows' below
         if copies is not None:
             tokens, candidates = merge(copies, tokens, None if probe_only else survivals)
+            logits = copy_logits(copies, None if block is None else block.logits, temperatures, self.info.vocab_size)
+            block = None if logits is None and block is None else DraftBlock(tokens, logits, confidence)
         if (block is not None and not probe_only) or not self.scheduler.needs_drafts or copies is not None:
             decision = self.planner.decide(requests=rows, block_size=self.info.block_size,
                                            confidence_logits=confidence, survivals=candidates,

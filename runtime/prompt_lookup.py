@@ -28,16 +28,19 @@ The copied drafts then enter Algorithm 1 as candidates of survival p^j, beside t
 survivals: how many are verified is priced like every other draft.
 
 Lossless: the match, the copy and p depend on committed tokens and earlier steps only, never on this
-step's drafts; a copied draft is a deterministic proposal, so under greedy verification a row's
-output is the target's argmax chain whatever it verifies. Sampling rows never copy (a deterministic
-draft needs the rejection rule with a point-mass q, which this proposer does not feed).
+step's drafts. A copied draft is a deterministic proposal: under greedy verification a row's output is
+the target's argmax chain whatever it verifies, and a sampling row verifies it by the standard rule with
+q the point mass on the copied token (`copy_logits`): accepted with probability p(x), else the bonus is
+drawn from normalise(max(p − q, 0)), p without x, which leaves the output's law the target's.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 
 ACCEPTANCE_DECAY = 0.8  # per lookup step of the request: p follows its last ~5 copies
 FORGET_DECAY = 0.95  # per step with a match that did not copy: failed copies are retried ~15-30 steps later
@@ -155,13 +158,11 @@ class PromptLookup:
         return self._shares[1:]
 
     def propose(self, active: list) -> LookupDrafts | None:
-        """The greedy rows of `active` (RunningRequest) that copy this step, with their copies; None if none."""
+        """The rows of `active` (RunningRequest) that copy this step, with their copies; None if none."""
         rows, gamma = len(active), self.block_size
         draft_share, verify_share = self.shares(rows)
         chosen, tokens, survivals = [], None, None
         for r, a in enumerate(active):
-            if a.temperature > 0:
-                continue
             if a.lookup is None:
                 a.lookup = LookupState(self.n)
             state = a.lookup
@@ -221,3 +222,19 @@ def drafted_verified(drafted: np.ndarray, survivals: np.ndarray, lengths: np.nda
         return None
     expected = float(sum(survivals[r, :k].sum() for r, k in zip(drafted.tolist(), verified.tolist(), strict=True)))
     return expected, int(sum(accepted[r] - 1 for r in drafted.tolist()))
+
+
+def copy_logits(copies: LookupDrafts, logits: torch.Tensor | np.ndarray | None, temperatures: Sequence[float],
+                vocab_size: int) -> torch.Tensor | np.ndarray | None:
+    """The draft logits [R, γ, V] the rejection rule reads for sampling rows, with each sampling row that copied
+    given the point mass on its copied tokens (0 there, −inf elsewhere: q = 1 on the copy); greedy rows are
+    never read. `logits`: the DSpark rows' (None: no sampling row drafted)."""
+    sampled = [r for r in copies.rows.tolist() if temperatures[r] > 0]
+    if not sampled:
+        return logits
+    rows, gamma = copies.tokens.shape
+    out = torch.zeros((rows, gamma, vocab_size)) if logits is None else torch.as_tensor(logits).clone()
+    index = torch.from_numpy(copies.tokens[sampled])  # [k, γ]
+    out[sampled] = torch.full((len(sampled), gamma, vocab_size), -torch.inf, dtype=out.dtype).scatter_(
+        2, index[:, :, None], 0.0)
+    return out

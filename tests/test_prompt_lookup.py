@@ -1,7 +1,8 @@
 """Prompt-lookup drafts beside DSpark's: the incremental n-gram index against a brute-force search, the
 per-request estimates, the copy-or-draft rule, and the engine on the demo pair: greedy output stays the
-target's own, copies are used where history repeats, a request whose copies fail stops copying, sampling
-rows never copy, and nothing is copied in steps where the drafting gate declines."""
+target's own, copies are used where history repeats, a request whose copies fail stops copying, nothing is
+copied in steps where the drafting gate declines, and sampled copies keep the target's law (chi-square against
+the exact law, with a control that verifies copies under a wrong q and must fail)."""
 
 from __future__ import annotations
 
@@ -10,17 +11,20 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import torch
+from sampling_law import VOCAB, exact_law_of_tokens_2_and_3, pooled_pvalue, small_pair
 from test_live_cost_engine import device_table
 from tokenizers import Tokenizer
 
 from dspark.export.cost_table import CostTable
 from dspark.models import load_pair
-from dspark.runtime import prompt_lookup
+from dspark.runtime import batch_loop, prompt_lookup
 from dspark.runtime.batch_loop import BatchEngine
 from dspark.runtime.capacity import Capacity
+from dspark.runtime.cost_model import StepCostModel
 from dspark.runtime.model_info import ModelInfo
 from dspark.runtime.prefix_scheduler import SchedulerConfig, SchedulerConfigError
-from dspark.runtime.prompt_lookup import LookupState, PromptLookup, copies_pay
+from dspark.runtime.prompt_lookup import LookupState, PromptLookup, copies_pay, copy_logits
 from dspark.runtime.torch_backend import TorchBackend
 from dspark.tools.demo_engine import DEMO_DRAFTER, DEMO_TARGET
 
@@ -83,16 +87,20 @@ def request(prompt: list[int], tokens: list[int], temperature: float = 0.0) -> S
                            result=SimpleNamespace(prompt_ids=prompt, tokens=tokens))
 
 
-def test_sampling_rows_never_copy_and_nothing_is_weighed_before_a_dspark_block():
+def test_nothing_is_weighed_before_a_dspark_block_and_sampling_rows_copy_with_a_point_mass():
     lookup = PromptLookup(2, block_size=4, cost=device_table())
     repeating = [5, 6, 7, 8] * 4
-    active = [request(repeating, [5]), request(repeating, [5], temperature=1.0)]
+    active = [request(repeating, [5]), request(repeating, [5], temperature=1.0), request([1, 2, 3], [4])]
     assert lookup.propose(active) is None  # no DSpark block seen yet: nothing to weigh a copy against
     lookup.dspark_accepts = 1.0
     copies = lookup.propose(active)
-    assert copies.rows.tolist() == [0]
-    assert copies.tokens[0].tolist() == [6, 7, 8, 5] and copies.tokens[1].tolist() == [0, 0, 0, 0]
-    assert copies.survivals[0, 0] == pytest.approx(prompt_lookup.PRIOR_ACCEPTANCE) and not copies.survivals[1].any()
+    assert copies.rows.tolist() == [0, 1]  # row 2's history has no earlier match
+    assert copies.tokens[0].tolist() == [6, 7, 8, 5] and copies.tokens[2].tolist() == [0, 0, 0, 0]
+    assert copies.survivals[0, 0] == pytest.approx(prompt_lookup.PRIOR_ACCEPTANCE) and not copies.survivals[2].any()
+    logits = copy_logits(copies, None, [0.0, 1.0, 0.0], vocab_size=10)
+    q = torch.softmax(logits[1], dim=-1)  # the sampling row's draft law: all mass on its copy
+    assert torch.equal(q, torch.nn.functional.one_hot(torch.tensor([6, 7, 8, 5]), 10).float())
+    assert copy_logits(copies, None, [0.0, 0.0, 0.0], vocab_size=10) is None  # greedy rows read no logits
 
 
 def test_config_rejects_a_negative_n():
@@ -168,3 +176,36 @@ def test_sampling_rows_decode_beside_copying_greedy_rows(pair):
     assert mixed[0] == plain[0] and mixed[2] == plain[2] and len(mixed[1]) == 48
     assert engine.lookup.copies > 0
     assert np.all(np.array([len(t) for t in mixed]) == 48)
+
+
+EVERY_TOKEN = list(range(VOCAB))  # a prompt where the first sampled token always matches (n = 1)
+
+
+def sampled_copy_counts(target, drafter, requests: int) -> tuple[torch.Tensor, int]:
+    """`requests` seeded T = 1 requests of 3 new tokens, every one copying wherever its history has a match
+    (n = 1; the DSpark side weighs nothing, verification nearly free) -> counts of (t2, t3) [V, V], copies."""
+    vocab = target.config.vocab_size
+    engine = BatchEngine(TorchBackend(target, drafter), ModelInfo.from_models(target, drafter),
+                         capacity=Capacity(128, 128 * 16, 16),
+                         scheduler=SchedulerConfig("dspark", prompt_lookup=1, gate_drafting=False),
+                         cost_model=StepCostModel(1e-3, 0.0, 1e-9))
+    engine.lookup.dspark_accepts = 0.0
+    ids = [engine.submit(EVERY_TOKEN, max_new_tokens=3, temperature=1.0, seed=s) for s in range(requests)]
+    finished = engine.run_until_done()
+    counts = torch.zeros(vocab, vocab, dtype=torch.float64)
+    for i in ids:
+        counts[finished[i].tokens[1], finished[i].tokens[2]] += 1
+    return counts, engine.lookup.copies
+
+
+def test_sampled_copies_keep_the_targets_law_and_a_wrong_q_is_caught(monkeypatch):
+    target, drafter = small_pair()
+    law = exact_law_of_tokens_2_and_3(target, 1.0, EVERY_TOKEN)
+    counts, copies = sampled_copy_counts(target, drafter, 4000)
+    assert copies > 1000  # most requests verified a copy for (t2, t3)
+    assert pooled_pvalue(counts, law) > 1e-3
+    # the control: copies verified as if drawn uniformly (q = 1/V) instead of copied (q = 1 on the copy)
+    monkeypatch.setattr(batch_loop, "copy_logits", lambda copies, logits, temperatures, vocab_size: torch.zeros(
+        (*copies.tokens.shape, vocab_size)))
+    wrong, _ = sampled_copy_counts(target, drafter, 4000)
+    assert pooled_pvalue(wrong, law) < 1e-6
