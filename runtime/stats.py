@@ -58,6 +58,7 @@ class StepRecord:
     gpu_percent: float | None = None
     confidence_logits: torch.Tensor | None = None  # [R, γ] pre-sigmoid, rows in active order
     drafted: bool = True  # False when the drafting gate judged drafting unprofitable this step
+    copied_rows: int = 0  # rows that verified a prompt-lookup copy instead of a DSpark block (prompt_lookup)
 
     @property
     def total_seconds(self) -> float:
@@ -70,7 +71,7 @@ class EngineStats:
 
     def __init__(self, history: int | None = 1024) -> None:
         self.steps: deque[StepRecord] = deque(maxlen=history)
-        self._totals = dict.fromkeys(("steps", "seconds", "committed", "verified", "padded", "rows"), 0.0)
+        self._totals = dict.fromkeys(("steps", "seconds", "committed", "verified", "padded", "rows", "copied"), 0.0)
 
     def record(self, step: StepRecord) -> None:
         self.steps.append(step)
@@ -82,6 +83,7 @@ class EngineStats:
             t["verified"] += step.verified_tokens
             t["padded"] += step.padded_tokens
             t["rows"] += step.requests
+            t["copied"] += step.copied_rows
 
     def recent(self, count: int) -> list[StepRecord]:
         return list(self.steps)[-count:]
@@ -97,4 +99,5 @@ class EngineStats:
             "padded_tokens": int(t["padded"]),
             "padding_fraction": 1 - t["verified"] / t["padded"] if t["padded"] else 0.0,
             "mean_acceptance_length": t["committed"] / max(t["rows"], 1),
+            "copied_row_fraction": t["copied"] / max(t["rows"], 1),  # request-steps that verified a copy
         }

@@ -97,6 +97,7 @@ def run_load(base: Runtime, scheduler: SchedulerConfig, prompts: Sequence[list[i
         "rejected_draft_fraction": round(1 - accepted_drafts / drafts, 4) if drafts else None,
         "mean_acceptance_length": round(summary["mean_acceptance_length"], 3),
         "padding_fraction": round(summary["padding_fraction"], 4),
+        "copied_row_fraction": round(summary["copied_row_fraction"], 4),
         "outputs": [r.tokens for r in results],
     }
 
