@@ -277,7 +277,7 @@ class BatchEngine:
             gpu_percent=None if load is None else load.gpu_percent,
             confidence_logits=None if confidence is None else confidence.clone(),
             drafted=self.scheduler.needs_drafts and len(drafting) == rows,  # a probe's few rows: False
-            copied_rows=0 if copies is None else len(copies.rows),
+            copied_rows=() if copies is None else tuple(copies.rows.tolist()),
         )
         self.stats.record(record)
         observe = getattr(self.cost_model, "observe", None)

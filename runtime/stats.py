@@ -58,7 +58,7 @@ class StepRecord:
     gpu_percent: float | None = None
     confidence_logits: torch.Tensor | None = None  # [R, γ] pre-sigmoid, rows in active order
     drafted: bool = True  # False when the drafting gate judged drafting unprofitable this step
-    copied_rows: int = 0  # rows that verified a prompt-lookup copy instead of a DSpark block (prompt_lookup)
+    copied_rows: tuple[int, ...] = ()  # rows that verified a prompt-lookup copy, not a DSpark block (prompt_lookup)
 
     @property
     def total_seconds(self) -> float:
@@ -83,7 +83,7 @@ class EngineStats:
             t["verified"] += step.verified_tokens
             t["padded"] += step.padded_tokens
             t["rows"] += step.requests
-            t["copied"] += step.copied_rows
+            t["copied"] += len(step.copied_rows)
 
     def recent(self, count: int) -> list[StepRecord]:
         return list(self.steps)[-count:]

@@ -139,7 +139,7 @@ def test_engine_greedy_output_is_the_targets_and_copies_are_used(pair):
     single, engine = decode(pair, SchedulerConfig("dspark", prompt_lookup=3), device_table(), prompts=PROMPTS[:1])
     assert single == plain[:1]
     assert engine.lookup.copies > 0 and engine.lookup.copies_accepted > engine.lookup.copies  # > 1 draft a copy
-    copied = sum(s.copied_rows for s in engine.stats.steps)
+    copied = sum(len(s.copied_rows) for s in engine.stats.steps)
     assert copied == engine.lookup.copies
     assert engine.stats.summary()["copied_row_fraction"] == pytest.approx(copied / engine.steps_run)
     batched, engine = decode(pair, SchedulerConfig("dspark", prompt_lookup=3), device_table())

@@ -336,3 +336,41 @@ def test_real_service_counts_match_its_results(tmp_path):
     assert values["dspark:spec_decode_confidence_samples_total", ()] > 0
     assert 0 <= values["dspark:spec_decode_confidence_ece", ()] <= 1
     assert values["dspark:num_requests_running", ()] == 0
+
+
+def with_copied_rows(records: list[StepRecord]) -> list[StepRecord]:
+    """Each drafted record with one more row that verified a full prompt-lookup copy, all accepted, under
+    confidence −inf (a row the drafter did not draft): the drafter's quality must not see it."""
+    out = []
+    for r in records:
+        if r.confidence_logits is None:
+            out.append(r)
+            continue
+        logits = torch.cat((r.confidence_logits, torch.full((1, GAMMA), -torch.inf)))
+        out.append(StepRecord(
+            step=r.step, requests=r.requests + 1, admitted_new=0, lengths=[*r.lengths, GAMMA],
+            verified_tokens=r.verified_tokens + GAMMA + 1, padded_tokens=(r.requests + 1) * (GAMMA + 1),
+            acceptance_lengths=[*r.acceptance_lengths, GAMMA + 1], expected_accepts=None, predicted_seconds=None,
+            seconds=r.seconds, confidence_logits=logits, drafted=False, copied_rows=(r.requests,)))
+    return out
+
+
+def test_copied_rows_stay_out_of_the_drafters_quality(fed):
+    _, _, records, values = fed
+    service = FakeService()
+    metrics = ServingMetrics(service)
+    for record in with_copied_rows(records):
+        service.step(record)
+    copied = scrape(metrics)
+    for j in range(GAMMA):
+        pos = (("position", str(j)),)
+        for name in ("dspark:spec_decode_num_verified_tokens_per_pos_total",
+                     "dspark:spec_decode_num_accepted_tokens_per_pos_total",
+                     "dspark:spec_decode_confidence_ece_per_pos"):
+            assert copied[name, pos] == pytest.approx(values[name, pos], abs=1e-12), (name, j)
+    assert copied["dspark:spec_decode_confidence_ece", ()] == pytest.approx(values["dspark:spec_decode_confidence_ece",
+                                                                                    ()], abs=1e-12)
+    # the copies' own tokens still count where every verified draft does
+    extra = sum(1 for r in records if r.confidence_logits is not None) * GAMMA
+    assert copied["dspark:spec_decode_num_verified_tokens_total", ()] == (
+        values["dspark:spec_decode_num_verified_tokens_total", ()] + extra)

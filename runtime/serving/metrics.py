@@ -109,12 +109,17 @@ class ServingMetrics:
         rows = record.requests
         lengths = np.asarray(record.lengths, dtype=np.int64)
         accepted = np.asarray(record.acceptance_lengths, dtype=np.int64) - 1  # drafts accepted (bonus excluded)
-        verified_pos, accepted_pos = verification_counts(lengths, accepted, self.block_size)
+        # the drafter's quality (per position, calibration) over the rows it drafted: copied rows verified a
+        # prompt-lookup copy, which its confidences never priced
+        drafted = np.ones(rows, dtype=bool)
+        drafted[list(record.copied_rows)] = False
+        verified_pos, accepted_pos = verification_counts(lengths[drafted], accepted[drafted], self.block_size)
         logits = record.confidence_logits
         if logits is not None and rows:
             if not isinstance(logits, np.ndarray):  # a torch tensor (the in-process engine's records)
                 logits = logits.detach().float().cpu().numpy()
-            self.ece.update(np.asarray(logits, dtype=np.float32), self.temperatures, lengths, accepted)
+            self.ece.update(np.asarray(logits, dtype=np.float32)[drafted], self.temperatures, lengths[drafted],
+                            accepted[drafted])
         budget, tokens = int(lengths.sum()), int(record.verified_tokens)
         self.accepted_length.observe(accepted + 1)
         self.step_seconds.observe(record.total_seconds)
