@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .sampling import probabilities
+from .sampling import draw, probabilities
 
 
 @dataclass(frozen=True)
@@ -50,6 +50,5 @@ def verify_chain(
         token = int(draft_tokens[j])
         if uniforms[j] * q[j, token] < p[j, token]:  # u < p/q without dividing by a tiny q
             continue
-        bonus = torch.multinomial(residual_distribution(p[j], q[j]), 1, generator=generator)
-        return ChainVerdict(j, int(bonus))
-    return ChainVerdict(k, int(torch.multinomial(p[k], 1, generator=generator)))
+        return ChainVerdict(j, int(draw(residual_distribution(p[j], q[j]), generator)))
+    return ChainVerdict(k, int(draw(p[k], generator)))

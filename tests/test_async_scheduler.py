@@ -383,7 +383,7 @@ def test_a_confidence_that_reads_the_draft_biases_only_a_retrospective_search(de
     if lag is not None:
         monkeypatch.setattr(async_scheduler, "LAG", lag)
     engine = demo_engine(target, drafter, max_requests=1, cost=appendix_a_cost, backend=backend)
-    n = 200
+    n = 600
     counts = second_tokens(engine, n, target.config.vocab_size)
     decode_steps = sum(1 for s in engine.stats.steps if s.requests)
     assert backend.calls == decode_steps * drafter.config.block_size  # every step went through the head
@@ -391,5 +391,5 @@ def test_a_confidence_that_reads_the_draft_biases_only_a_retrospective_search(de
     assert 0.2 * n < sum(k == 2 for k in lengths) < 0.8 * n  # two drafts admitted, often but not always
     if lag is None:
         assert pooled_pvalue(counts, law) > 1e-3
-    else:  # the bias shrinks as the drafter nears the target (demo pair v3: p ≈ 1e-6 at 200 draws)
-        assert pooled_pvalue(counts, law) < 1e-4
+    else:  # the bias shrinks as the drafter nears the target (demo pair v3: p 1e-6..2e-3 at 200 draws)
+        assert pooled_pvalue(counts, law) < 1e-6
