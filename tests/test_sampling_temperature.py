@@ -13,7 +13,7 @@ import torch
 from sampling_law import engine_runs, exact_law_of_tokens_2_and_3, pooled_pvalue, small_pair, softmax_at
 
 from dspark.runtime.rejection import verify_chain
-from dspark.runtime.sampling import probabilities, sample_rows, sample_token
+from dspark.runtime.sampling import draw, probabilities, sample_rows, sample_token
 
 TEMPERATURES = (0.5, 2.0)
 LOGITS = torch.tensor([[2.0, 1.0, 0.0, -1.0, 0.5, 3.0],
@@ -92,3 +92,14 @@ def test_engine_samples_the_target_law_at_temperature(pair, temperature):
     assert pooled_pvalue(counts, exact_law_of_tokens_2_and_3(target, temperature)) > 1e-3
     # the law logits·T would sample from: caught
     assert pooled_pvalue(counts, exact_law_of_tokens_2_and_3(target, 1.0 / temperature)) < 1e-6
+
+
+def test_draw_follows_unnormalised_weights_and_never_draws_a_zero_weight():
+    weights = torch.tensor([0.0, 1.0, 0.0, 2.0, 0.5, 0.0])  # a residual's shape: zeros where p <= q
+    g = torch.Generator().manual_seed(3)
+    tokens = draw(weights.expand(20000, -1), g)
+    counts = torch.bincount(tokens, minlength=weights.numel()).double()
+    assert counts[weights == 0].sum() == 0
+    assert pooled_pvalue(counts, weights.double() / weights.sum()) > 1e-3
+    assert pooled_pvalue(counts, torch.tensor([0.0, 1.0, 0.0, 1.0, 1.0, 0.0]).double() / 3) < 1e-6
+    assert draw(weights, g).shape == () and draw(torch.ones(2, 3, 4), g).shape == (2, 3)
