@@ -6,7 +6,7 @@ One `step()`:
   propose   the drafter backbone over each drafting request's new context rows and its block, then
             the heads (`DrafterRunner`); the drafting gate picks which requests draft: all, a few
             (a probe) or none, where its cost table says drafting cannot pay (`drafting_gate`); where
-            all draft, greedy requests whose history repeats may copy instead (`prompt_lookup`)
+            all draft, requests whose history repeats may copy instead (`prompt_lookup`)
   schedule  lengths ℓ_r (`StepScheduler`: Algorithm 1, fixed, threshold, off, ...)
   verify    one target call over `StepBatch.chains` (`TargetRunner`), the acceptance rule for all
             rows at once (`verify_chains`)
@@ -41,7 +41,7 @@ from .kv_tiers import HostTier
 from .model_info import ModelInfo
 from .monitor import Monitor
 from .prefix_scheduler import Decision, SchedulerConfig, StepScheduler
-from .prompt_lookup import PromptLookup, copy_logits, drafted_verified, merge
+from .prompt_lookup import PromptLookup, drafted_verified, with_copies
 from .proposer import DraftBlock
 from .recovery.resume import resumed_tokens
 from .recovery.snapshot import RequestSnapshot
@@ -232,12 +232,10 @@ class BatchEngine:
         confidence = None if block is None or block.confidence_logits is None else torch.as_tensor(
             block.confidence_logits)
         survivals = self.planner.survivals(confidence)  # read by Algorithm 1 and the gate alike
-        tokens = None if block is None else np.asarray(block.tokens)
         candidates = survivals  # Algorithm 1's: the DSpark rows', and the copying rows' below
         if copies is not None:
-            tokens, candidates = merge(copies, tokens, None if probe_only else survivals)
-            logits = copy_logits(copies, None if block is None else block.logits, temperatures, self.info.vocab_size)
-            block = None if logits is None and block is None else DraftBlock(tokens, logits, confidence)
+            block, candidates = with_copies(copies, block, None if probe_only else survivals, temperatures,
+                                            self.info.vocab_size)
         if (block is not None and not probe_only) or not self.scheduler.needs_drafts or copies is not None:
             decision = self.planner.decide(requests=rows, block_size=self.info.block_size,
                                            confidence_logits=confidence, survivals=candidates,
@@ -250,7 +248,8 @@ class BatchEngine:
         else:
             decision = Decision((0,) * rows, None, None, 0)
         begin = _phase(seconds, "schedule", begin)
-        batch = StepBatch.chains(anchors, tokens, np.asarray(decision.lengths, dtype=np.int64), starts)
+        batch = StepBatch.chains(anchors, None if block is None else np.asarray(block.tokens),
+                                 np.asarray(decision.lengths, dtype=np.int64), starts)
         out = self.target.forward(batch)
         begin = _phase(seconds, "verify", begin)
         accepted = self._reconcile(batch, out, block, temperatures, generators)

@@ -10,7 +10,7 @@ with a survival ≥ a_{r,j}, never on the draft token x_{r,j} itself (Appendix A
 Modes: `dspark` (Algorithm 1), `async` (§5.2: top-K by current survival, the capacity K from an
 unconstrained search over the confidences of two steps earlier; `async_scheduler.py`), `fixed`
 (γ' tokens), `threshold` (first per-slot confidence below a threshold, DeepSpec's static rule),
-`off` (0 drafts: plain autoregressive decoding). In `dspark` mode with chain drafting, greedy requests may
+`off` (0 drafts: plain autoregressive decoding). In `dspark` mode with chain drafting, requests may
 verify a prompt-lookup copy instead of a DSpark block (`prompt_lookup`, n = 3 by default; 0: off): the
 copies enter Algorithm 1 as candidates beside the DSpark rows'.
 
@@ -55,7 +55,7 @@ class SchedulerConfig:
     drafting: str = "chain"
     tree_nodes: int = 16  # tree drafting: draft nodes per request at most (`fixed`: exactly, where the block allows)
     tree_top_k: int = 4  # tree drafting: children offered per expanded node
-    # `dspark` chain drafting, n > 0: a greedy request whose last n tokens occurred earlier may verify what
+    # `dspark` chain drafting, n > 0: a request whose last n tokens occurred earlier may verify what
     # followed there instead of a DSpark block (prompt_lookup.py); 0: off
     prompt_lookup: int = 3
 
@@ -86,7 +86,7 @@ class SchedulerConfig:
 
     @property
     def copies_prompts(self) -> bool:
-        """Whether greedy requests may verify prompt-lookup copies (mode `dspark`, chain drafting)."""
+        """Whether requests may verify prompt-lookup copies (mode `dspark`, chain drafting)."""
         return self.prompt_lookup > 0 and self.mode == "dspark" and self.drafting == "chain"
 
     @property

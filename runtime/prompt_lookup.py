@@ -3,7 +3,7 @@
 Code, retrieval and chat histories repeat themselves; where a request's last n committed tokens
 occurred before in its prompt or output, the tokens that followed them there are a draft that costs
 no drafter call (onnxruntime-genai's and vLLM's n-gram speculation, transformers' prompt lookup).
-Here it is a second proposer, per request and per step: a greedy request whose history has such a
+Here it is a second proposer, per request and per step: a request whose history has such a
 match verifies the copied tokens instead of drafting with DSpark when copying is expected to return
 more tokens per second, and is then skipped by the drafter (its context rows wait for its next
 DSpark step, like a row the drafting gate left out). Only in steps where the drafting gate lets every
@@ -41,6 +41,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+
+from .proposer import DraftBlock
 
 ACCEPTANCE_DECAY = 0.8  # per lookup step of the request: p follows its last ~5 copies
 FORGET_DECAY = 0.95  # per step with a match that did not copy: failed copies are retried ~15-30 steps later
@@ -202,14 +204,16 @@ class PromptLookup:
         self.dspark_accepts = mean if previous is None else DSPARK_DECAY * previous + (1.0 - DSPARK_DECAY) * mean
 
 
-def merge(copies: LookupDrafts, tokens: np.ndarray | None, survivals: np.ndarray | None
-          ) -> tuple[np.ndarray, np.ndarray]:
-    """This step's draft tokens and Algorithm 1's survivals [R, γ]: the DSpark rows' (None: no row drafted;
-    rows that did not draft carry survival 0) with the copying rows' in place."""
-    tokens = copies.tokens.copy() if tokens is None else np.array(tokens, dtype=np.int64)
+def with_copies(copies: LookupDrafts, block: DraftBlock | None, survivals: np.ndarray | None,
+                temperatures: Sequence[float], vocab_size: int) -> tuple[DraftBlock, np.ndarray]:
+    """This step's drafts over all R rows and Algorithm 1's survivals [R, γ]: the DSpark rows' (`block`, None:
+    no row drafted; `survivals`, None: none to verify, rows that did not draft carry survival 0) with the copying
+    rows' in place, their draft logits the point mass on the copy for sampling rows (`copy_logits`)."""
+    tokens = copies.tokens.copy() if block is None else np.array(block.tokens, dtype=np.int64)
     survivals = np.zeros(copies.survivals.shape) if survivals is None else survivals.copy()
     tokens[copies.rows], survivals[copies.rows] = copies.tokens[copies.rows], copies.survivals[copies.rows]
-    return tokens, survivals
+    logits = copy_logits(copies, None if block is None else block.logits, temperatures, vocab_size)
+    return DraftBlock(tokens, logits, None if block is None else block.confidence_logits), survivals
 
 
 def drafted_verified(drafted: np.ndarray, survivals: np.ndarray, lengths: np.ndarray,

@@ -18,7 +18,7 @@ from tokenizers import Tokenizer
 
 from dspark.export.cost_table import CostTable
 from dspark.models import load_pair
-from dspark.runtime import batch_loop, prompt_lookup
+from dspark.runtime import prompt_lookup
 from dspark.runtime.batch_loop import BatchEngine
 from dspark.runtime.capacity import Capacity
 from dspark.runtime.cost_model import StepCostModel
@@ -208,7 +208,7 @@ def test_sampled_copies_keep_the_targets_law_and_a_wrong_q_is_caught(monkeypatch
     assert copies > 1000  # most requests verified a copy for (t2, t3)
     assert pooled_pvalue(counts, law) > 1e-3
     # the control: copies verified as if drawn uniformly (q = 1/V) instead of copied (q = 1 on the copy)
-    monkeypatch.setattr(batch_loop, "copy_logits", lambda copies, logits, temperatures, vocab_size: torch.zeros(
+    monkeypatch.setattr(prompt_lookup, "copy_logits", lambda copies, logits, temperatures, vocab_size: torch.zeros(
         (*copies.tokens.shape, vocab_size)))
     wrong, _ = sampled_copy_counts(target, drafter, 4000)
     assert pooled_pvalue(wrong, law) < 1e-6

@@ -51,7 +51,7 @@ def parse_device(ctx: click.Context, param: click.Parameter, text: str) -> str:
 @click.option("--threshold", default=0.5, show_default=True,
               help="Confidence cut-off for --scheduler threshold.")
 @click.option("--prompt-lookup", default=3, show_default=True, type=click.IntRange(min=0),
-              help="--scheduler dspark: greedy requests may verify what followed their last N tokens earlier "
+              help="--scheduler dspark: requests may verify what followed their last N tokens earlier "
                    "instead of a DSpark block, where that is expected to pay; 0: off.")
 @click.option("--kv-mode", type=click.Choice(["concat", "static"]),
               help="Target KV mode. Default: concat, or static with --device cuda (fixed shapes: CUDA-graph replay).")

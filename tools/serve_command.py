@@ -32,7 +32,7 @@ _LOOPBACK = ("127.0.0.1", "localhost", "::1")
               type=click.Choice(["dspark", "async", "fixed", "threshold", "off"]),
               help="dspark: Algorithm 1; async: its §5.2 form, batch size from the confidences of two steps earlier.")
 @click.option("--prompt-lookup", default=3, show_default=True, type=click.IntRange(min=0),
-              help="--scheduler dspark: greedy requests may verify what followed their last N tokens earlier "
+              help="--scheduler dspark: requests may verify what followed their last N tokens earlier "
                    "instead of a DSpark block, where that is expected to pay; 0: off.")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]))
