@@ -95,11 +95,13 @@ class BatchEngine:
         slots, length = capacity.max_requests, capacity.max_seq_len
         self.target_kv = SlotCache(info.target_cache, slots, length, device=backend.kv_device)
         self.drafter_kv = SlotCache(info.drafter_cache, slots, length, device=backend.kv_device)
-        self.target = TargetRunner(backend, info, self.target_kv, self.kv_mode, max_width=info.block_size + 1)
+        self.lookup = (PromptLookup(scheduler.prompt_lookup, info.block_size, cost_model,
+                                    max_tokens=scheduler.lookup_tokens)
+                       if scheduler.copies_prompts else None)  # copied drafts beside DSpark's (prompt_lookup)
+        self.target = TargetRunner(backend, info, self.target_kv, self.kv_mode, max_width=info.block_size + 1,
+                                   long_width=1 + (info.block_size if self.lookup is None else self.lookup.width))
         self.drafter = DrafterRunner(backend, info, self.drafter_kv)
         self.trees = TreeStepper(self) if scheduler.drafting == "tree" else None  # draft trees (tree_step)
-        self.lookup = (PromptLookup(scheduler.prompt_lookup, info.block_size, cost_model)
-                       if scheduler.copies_prompts else None)  # copied drafts beside DSpark's (prompt_lookup)
         self.queue: deque[RunningRequest] = deque()
         self.active: list[RunningRequest] = []  # row r of both caches belongs to active[r]
         self.finished: dict[int, RequestResult] = {}  # until handed off by take_finished / take_result

@@ -58,6 +58,7 @@ class SchedulerConfig:
     # `dspark` chain drafting, n > 0: a request whose last n tokens occurred earlier may verify what
     # followed there instead of a DSpark block (prompt_lookup.py); 0: off
     prompt_lookup: int = 3
+    lookup_tokens: int | None = None  # the longest copy a request verifies in a step; None: twice the block size
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -76,6 +77,9 @@ class SchedulerConfig:
             raise SchedulerConfigError(f"tree drafting runs with mode 'dspark' or 'fixed', not '{self.mode}'")
         if self.prompt_lookup < 0:
             raise SchedulerConfigError(f"prompt_lookup must be >= 0 (0: off), got {self.prompt_lookup}")
+        if self.lookup_tokens is not None and self.lookup_tokens < 1:
+            raise SchedulerConfigError(f"lookup_tokens must be >= 1 (None: twice the block size), got "
+                                       f"{self.lookup_tokens}")
         if self.tree_nodes < 0 or self.tree_top_k < 1:
             raise SchedulerConfigError(f"tree_nodes must be >= 0 and tree_top_k >= 1, got {self.tree_nodes}, "
                                        f"{self.tree_top_k}")

@@ -25,7 +25,12 @@ verifying (`SplitStepCost`), it copies iff
     (1 + Σ p^j) / verify  ≥  (1 + expected DSpark accepts) / (draft + verify).
 
 The copied drafts then enter Algorithm 1 as candidates of survival p^j, beside the DSpark rows' own
-survivals: how many are verified is priced like every other draft.
+survivals: how many are verified is priced like every other draft. A copy may run past the block, to
+`max_tokens` (twice the block by default), since it costs no drafter call whatever its length; measured on
+the bundled pair's held-out prompts, single stream: 80 of 102 copies of 7 were accepted whole, and copies up
+to 14 made the scheduler 9 % faster (2709 against 2486 tok/s, median of 3 interleaved rounds; 11 and 23
+within noise of 14). A copy never runs past the tokens its request still needs, so its verification stays
+inside the request's KV reservation (prompt + new tokens + one block).
 
 Lossless: the match, the copy and p depend on committed tokens and earlier steps only, never on this
 step's drafts. A copied draft is a deterministic proposal: under greedy verification a row's output is
@@ -94,9 +99,9 @@ class LookupState:
         """p: the chance a copied draft survives given its prefix did."""
         return (self.successes + PRIOR_ACCEPTANCE * PRIOR_TRIALS) / (self.successes + self.failures + PRIOR_TRIALS)
 
-    def survivals(self, length: int, block_size: int) -> np.ndarray:
-        """[γ] p^j for the copy's `length` slots, 0 after."""
-        out = np.zeros(block_size)
+    def survivals(self, length: int, width: int) -> np.ndarray:
+        """[width] p^j for the copy's `length` slots, 0 after."""
+        out = np.zeros(width)
         out[:length] = self.acceptance ** np.arange(1, length + 1)
         return out
 
@@ -123,8 +128,8 @@ class LookupDrafts:
     """One step's copied drafts over the R active rows."""
 
     rows: np.ndarray  # [k] rows that verify copied drafts instead of drafting with DSpark, ascending
-    tokens: np.ndarray  # [R, γ] int64, row r's copy first (rows not in `rows`: zeros)
-    survivals: np.ndarray  # [R, γ] p^j over each copy (rows not in `rows`: zeros)
+    tokens: np.ndarray  # [R, L] int64, row r's copy first (rows not in `rows`: zeros); L >= γ: the longest copy
+    survivals: np.ndarray  # [R, L] p^j over each copy (rows not in `rows`: zeros)
 
 
 def copies_pay(lookup_accepts: float, dspark_accepts: float, draft_share: float, verify_share: float) -> bool:
@@ -137,10 +142,14 @@ class PromptLookup:
     verification and the DSpark rows' blocks showed (`record`). Keeps its per-request state on each
     `RunningRequest.lookup`, so it follows the request through row moves and host tiers."""
 
-    def __init__(self, n: int, block_size: int, cost: object | None = None) -> None:
+    def __init__(self, n: int, block_size: int, cost: object | None = None, *, max_tokens: int | None = None) -> None:
         if n < 1:
             raise ValueError(f"prompt lookup needs n >= 1, got {n}")
+        self.max_tokens = 2 * block_size if max_tokens is None else max_tokens  # the longest copy
+        if self.max_tokens < 1:
+            raise ValueError(f"prompt lookup copies need max_tokens >= 1, got {self.max_tokens}")
         self.n, self.block_size, self.cost = n, block_size, cost
+        self.width = max(block_size, self.max_tokens)  # of the step's draft rows when a row copies
         self.dspark_accepts: float | None = None  # engine-wide decayed mean survival sum of DSpark blocks
         self._shares: tuple[int, float, float] | None = None  # (R, draft share, verify share) last priced
         self.copies = 0  # rows that verified a copy, over the engine's life
@@ -161,23 +170,25 @@ class PromptLookup:
 
     def propose(self, active: list) -> LookupDrafts | None:
         """The rows of `active` (RunningRequest) that copy this step, with their copies; None if none."""
-        rows, gamma = len(active), self.block_size
+        rows, width = len(active), self.width
         draft_share, verify_share = self.shares(rows)
         chosen, tokens, survivals = [], None, None
         for r, a in enumerate(active):
             if a.lookup is None:
                 a.lookup = LookupState(self.n)
             state = a.lookup
-            copy = state.continuation(a.result.prompt_ids, a.result.tokens, gamma)
+            # no longer than the request still needs: its KV reservation holds that plus one block
+            limit = min(self.max_tokens, a.max_new_tokens - len(a.result.tokens))
+            copy = state.continuation(a.result.prompt_ids, a.result.tokens, limit) if limit > 0 else []
             dspark = state.dspark_accepts if state.dspark_accepts is not None else self.dspark_accepts
             if not copy or dspark is None:  # no match, or nothing yet to weigh a copy against: DSpark drafts
                 continue
-            row = state.survivals(len(copy), gamma)
+            row = state.survivals(len(copy), width)
             if not copies_pay(float(row.sum()), dspark, draft_share, verify_share):
                 state.forget()  # p drifts back to its prior: a request whose copies failed tries again later
                 continue
             if tokens is None:
-                tokens, survivals = np.zeros((rows, gamma), np.int64), np.zeros((rows, gamma))
+                tokens, survivals = np.zeros((rows, width), np.int64), np.zeros((rows, width))
             chosen.append(r)
             tokens[r, : len(copy)] = copy
             survivals[r] = row
@@ -206,14 +217,23 @@ class PromptLookup:
 
 def with_copies(copies: LookupDrafts, block: DraftBlock | None, survivals: np.ndarray | None,
                 temperatures: Sequence[float], vocab_size: int) -> tuple[DraftBlock, np.ndarray]:
-    """This step's drafts over all R rows and Algorithm 1's survivals [R, γ]: the DSpark rows' (`block`, None:
-    no row drafted; `survivals`, None: none to verify, rows that did not draft carry survival 0) with the copying
-    rows' in place, their draft logits the point mass on the copy for sampling rows (`copy_logits`)."""
-    tokens = copies.tokens.copy() if block is None else np.array(block.tokens, dtype=np.int64)
-    survivals = np.zeros(copies.survivals.shape) if survivals is None else survivals.copy()
+    """This step's drafts over all R rows and Algorithm 1's survivals, [R, L] (L: the copies' width, >= γ): the
+    DSpark rows' (`block`, None: no row drafted; `survivals` [R, γ], None: none to verify, rows that did not draft
+    carry survival 0; both 0 past γ) with the copying rows' in place, their draft logits the point mass on the
+    copy for sampling rows (`copy_logits`)."""
+    width = copies.tokens.shape[1]
+    tokens = copies.tokens.copy() if block is None else _widened(np.asarray(block.tokens, dtype=np.int64), width)
+    survivals = np.zeros(copies.survivals.shape) if survivals is None else _widened(survivals, width)
     tokens[copies.rows], survivals[copies.rows] = copies.tokens[copies.rows], copies.survivals[copies.rows]
     logits = copy_logits(copies, None if block is None else block.logits, temperatures, vocab_size)
     return DraftBlock(tokens, logits, None if block is None else block.confidence_logits), survivals
+
+
+def _widened(rows: np.ndarray, width: int) -> np.ndarray:
+    """A copy of [R, γ, ...] `rows` as [R, width, ...], zeros past γ."""
+    out = np.zeros((rows.shape[0], width, *rows.shape[2:]), rows.dtype)
+    out[:, : rows.shape[1]] = rows
+    return out
 
 
 def drafted_verified(drafted: np.ndarray, survivals: np.ndarray, lengths: np.ndarray,
@@ -230,15 +250,19 @@ def drafted_verified(drafted: np.ndarray, survivals: np.ndarray, lengths: np.nda
 
 def copy_logits(copies: LookupDrafts, logits: torch.Tensor | np.ndarray | None, temperatures: Sequence[float],
                 vocab_size: int) -> torch.Tensor | np.ndarray | None:
-    """The draft logits [R, γ, V] the rejection rule reads for sampling rows, with each sampling row that copied
+    """The draft logits [R, L, V] the rejection rule reads for sampling rows, with each sampling row that copied
     given the point mass on its copied tokens (0 there, −inf elsewhere: q = 1 on the copy); greedy rows are
-    never read. `logits`: the DSpark rows' (None: no sampling row drafted)."""
+    never read. `logits`: the DSpark rows' [R, γ, V] (None: no sampling row drafted), zeros past γ."""
     sampled = [r for r in copies.rows.tolist() if temperatures[r] > 0]
     if not sampled:
         return logits
-    rows, gamma = copies.tokens.shape
-    out = torch.zeros((rows, gamma, vocab_size)) if logits is None else torch.as_tensor(logits).clone()
-    index = torch.from_numpy(copies.tokens[sampled])  # [k, γ]
-    out[sampled] = torch.full((len(sampled), gamma, vocab_size), -torch.inf, dtype=out.dtype).scatter_(
+    rows, width = copies.tokens.shape
+    out = torch.zeros((rows, width, vocab_size))
+    if logits is not None:
+        logits = torch.as_tensor(logits)
+        out = out.to(logits.dtype)
+        out[:, : logits.shape[1]] = logits
+    index = torch.from_numpy(copies.tokens[sampled])  # [k, L]
+    out[sampled] = torch.full((len(sampled), width, vocab_size), -torch.inf, dtype=out.dtype).scatter_(
         2, index[:, :, None], 0.0)
     return out

@@ -69,18 +69,21 @@ def kv_mode_for(backend: Backend, requested: str | None) -> str:
 
 
 class TargetRunner:
-    def __init__(self, backend: Backend, info: ModelInfo, kv: SlotCache, kv_mode: str, *, max_width: int) -> None:
+    def __init__(self, backend: Backend, info: ModelInfo, kv: SlotCache, kv_mode: str, *, max_width: int,
+                 long_width: int | None = None) -> None:
         self.backend, self.kv, self.kv_mode = backend, kv, kv_mode
         self.graph = GRAPHS[kv_mode]
         slots = kv.lengths.shape[0]
         outputs = {t.name: t for t in backend.specs[self.graph].outputs}
         self._vocab, self._features = outputs["logits"].dims[2], outputs["context_features"].dims[2]
         dtype = kv.dtype
-        # flat buffers: the first R·W·V elements are a contiguous [R, W, V] for any R, W that fit
-        self._max_width = max_width
-        self._logits = np.empty(slots * max_width * self._vocab, dtype)
-        self._greedy = np.empty(slots * max_width, np.int64) if "greedy_ids" in outputs else None
-        self._feature_buf = np.empty(slots * max_width * self._features, dtype)
+        # flat buffers: the first R·W·V elements are a contiguous [R, W, V] for any R, W that fit: every row
+        # `max_width` wide, or one row `long_width` wide (a long prompt-lookup copy)
+        self._max_width = max(max_width, long_width or 0)
+        self._max_tokens = max(slots * max_width, self._max_width)
+        self._logits = np.empty(self._max_tokens * self._vocab, dtype)
+        self._greedy = np.empty(self._max_tokens, np.int64) if "greedy_ids" in outputs else None
+        self._feature_buf = np.empty(self._max_tokens * self._features, dtype)
         self._bound: dict[tuple[int, int, bool], _FusedCall] = {}  # decode steps' (rows, width, last_only)
         # True for fused graphs from exports since `logits_rows`: logits only where asked (a prefill: its last
         # positions); False: the graph makes them everywhere and forward(last_only=True) picks them out
@@ -128,12 +131,12 @@ class TargetRunner:
     def _fused(self, batch: StepBatch, first_row: int, last_only: bool) -> TargetOutput:
         """Decode steps (rows 0..R-1, width W) reuse one binding per (R, W), made the first time;
         prefills, whose widths are the prompts', bind afresh (and are not kept: a long one has buffers of
-        its own)."""
+        its own), as do steps too wide for the buffers."""
         key = (batch.rows, batch.width, last_only)
         call = self._bound.get(key) if first_row == 0 else None
         if call is None:
             call = self._bind_fused(batch.rows, batch.width, first_row, last_only)
-            if first_row == 0 and batch.width <= self._max_width:
+            if first_row == 0 and batch.width <= self._max_width and batch.rows * batch.width <= self._max_tokens:
                 self._bound[key] = call
         if last_only:
             call.feeds["logits_rows"][:, 0] = batch.counts - 1

@@ -82,13 +82,14 @@ def test_a_copy_is_chosen_when_it_returns_more_tokens_per_second():
     assert copies_pay(4.0, 4.0, draft_share=0.0, verify_share=1.0)  # no split cost model: promise as much
 
 
-def request(prompt: list[int], tokens: list[int], temperature: float = 0.0) -> SimpleNamespace:
-    return SimpleNamespace(temperature=temperature, lookup=None,
+def request(prompt: list[int], tokens: list[int], temperature: float = 0.0,
+            max_new_tokens: int = 64) -> SimpleNamespace:
+    return SimpleNamespace(temperature=temperature, lookup=None, max_new_tokens=max_new_tokens,
                            result=SimpleNamespace(prompt_ids=prompt, tokens=tokens))
 
 
 def test_nothing_is_weighed_before_a_dspark_block_and_sampling_rows_copy_with_a_point_mass():
-    lookup = PromptLookup(2, block_size=4, cost=device_table())
+    lookup = PromptLookup(2, block_size=4, cost=device_table(), max_tokens=4)
     repeating = [5, 6, 7, 8] * 4
     active = [request(repeating, [5]), request(repeating, [5], temperature=1.0), request([1, 2, 3], [4])]
     assert lookup.propose(active) is None  # no DSpark block seen yet: nothing to weigh a copy against
@@ -103,9 +104,35 @@ def test_nothing_is_weighed_before_a_dspark_block_and_sampling_rows_copy_with_a_
     assert copy_logits(copies, None, [0.0, 0.0, 0.0], vocab_size=10) is None  # greedy rows read no logits
 
 
+def test_copies_run_past_the_block_but_never_past_what_the_request_still_needs():
+    lookup = PromptLookup(2, block_size=4, cost=device_table(), max_tokens=10)
+    lookup.dspark_accepts = 1.0
+    repeating = [5, 6, 7, 8] * 4
+    copies = lookup.propose([request(repeating, [5]), request(repeating, [5], max_new_tokens=4)])
+    assert copies.tokens.shape == (2, 10)  # the step's draft rows are as wide as the longest copy
+    assert copies.tokens[0].tolist() == [6, 7, 8, 5] * 2 + [6, 7]
+    assert copies.tokens[1].tolist() == [6, 7, 8] + [0] * 7  # 3 tokens to go: a longer copy is wasted work
+    assert (copies.survivals[1, 3:] == 0).all() and (copies.survivals[0] > 0).all()
+    assert PromptLookup(2, block_size=4).max_tokens == 8  # twice the block by default
+
+
+def test_dspark_logits_widen_for_a_long_copy_beside_them():
+    lookup = PromptLookup(2, block_size=4, cost=device_table(), max_tokens=6)
+    lookup.dspark_accepts = 1.0
+    active = [request([1, 2, 3], [4], temperature=1.0), request([5, 6, 7, 8] * 4, [5], temperature=1.0)]
+    copies = lookup.propose(active)
+    dspark = torch.randn(2, 4, 10)  # row 0 drafted with DSpark, row 1 copies
+    logits = copy_logits(copies, dspark, [1.0, 1.0], vocab_size=10)
+    assert logits.shape == (2, 6, 10) and torch.equal(logits[0, :4], dspark[0])
+    q = torch.softmax(logits[1], dim=-1)
+    assert torch.equal(q, torch.nn.functional.one_hot(torch.tensor([6, 7, 8, 5, 6, 7]), 10).float())
+
+
 def test_config_rejects_a_negative_n():
     with pytest.raises(SchedulerConfigError, match="prompt_lookup"):
         SchedulerConfig("dspark", prompt_lookup=-1)
+    with pytest.raises(SchedulerConfigError, match="lookup_tokens"):
+        SchedulerConfig("dspark", lookup_tokens=0)
     assert SchedulerConfig("dspark").copies_prompts and not SchedulerConfig("fixed").copies_prompts
     assert not SchedulerConfig("dspark", prompt_lookup=0).copies_prompts
 
@@ -145,6 +172,24 @@ def test_engine_greedy_output_is_the_targets_and_copies_are_used(pair):
     batched, engine = decode(pair, SchedulerConfig("dspark", prompt_lookup=3), device_table())
     assert batched == plain
     assert engine.lookup.copies > 0
+
+
+def test_long_copies_stay_lossless_and_fit_a_tight_kv_reservation(pair):
+    """Copies up to twice the block: verified in one step, output still the target's; a request whose slot holds
+    exactly what it reserves (prompt + new tokens + one block) never overflows it, however long copies may run."""
+    target, drafter = pair
+    gamma = drafter.config.block_size
+    for new_tokens in (40, 24, 12):
+        plain, _ = decode(pair, SchedulerConfig("off"), device_table(), prompts=PROMPTS[:1], new_tokens=new_tokens)
+        engine = BatchEngine(TorchBackend(target, drafter), ModelInfo.from_models(target, drafter),
+                             capacity=Capacity(1, 4096, len(PROMPTS[0]) + new_tokens + gamma + 1),
+                             scheduler=SchedulerConfig("dspark", prompt_lookup=3), cost_model=device_table(),
+                             kv_mode="concat")
+        rid = engine.submit(PROMPTS[0], max_new_tokens=new_tokens)
+        assert engine.run_until_done()[rid].tokens == plain[0]
+        if new_tokens == 40:
+            longest = max(max(s.lengths) for s in engine.stats.steps if s.copied_rows)
+            assert gamma < longest <= 2 * gamma
 
 
 def test_a_request_whose_copies_fail_stops_copying(pair, monkeypatch):

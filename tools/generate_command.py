@@ -53,13 +53,15 @@ def parse_device(ctx: click.Context, param: click.Parameter, text: str) -> str:
 @click.option("--prompt-lookup", default=3, show_default=True, type=click.IntRange(min=0),
               help="--scheduler dspark: requests may verify what followed their last N tokens earlier "
                    "instead of a DSpark block, where that is expected to pay; 0: off.")
+@click.option("--lookup-tokens", type=click.IntRange(min=1),
+              help="The longest prompt-lookup copy verified in one step (default: twice the block size).")
 @click.option("--kv-mode", type=click.Choice(["concat", "static"]),
               help="Target KV mode. Default: concat, or static with --device cuda (fixed shapes: CUDA-graph replay).")
 @click.option("--device", default="cpu", show_default=True, callback=parse_device,
               help="PyTorch device for --target/--drafter: cpu, or cuda (the KV cache stays on the GPU).")
 @click.option("--json", "as_json", is_flag=True, help="Print ids, rounds, acceptance and speed as JSON.")
 def generate(engine_dir, target_dir, drafter_dir, prompt, prompt_ids, max_new_tokens, temperature, seed,
-             scheduler, gamma, threshold, prompt_lookup, kv_mode, device, as_json) -> None:
+             scheduler, gamma, threshold, prompt_lookup, lookup_tokens, kv_mode, device, as_json) -> None:
     """Generate with DSpark speculative decoding (lossless: same distribution as the target)."""
     from pathlib import Path
 
@@ -86,7 +88,8 @@ def generate(engine_dir, target_dir, drafter_dir, prompt, prompt_ids, max_new_to
                                    "--prompt needs it; pass --prompt-ids instead")
         prompt_ids = tokenizer.encode(prompt).ids
     options = RuntimeOptions(
-        scheduler=SchedulerConfig(scheduler, fixed_length=gamma, threshold=threshold, prompt_lookup=prompt_lookup),
+        scheduler=SchedulerConfig(scheduler, fixed_length=gamma, threshold=threshold, prompt_lookup=prompt_lookup,
+                                  lookup_tokens=lookup_tokens),
         kv_mode=kv_mode or ("concat" if device == "cpu" else "static"),
         max_requests=1, max_seq_len=len(prompt_ids) + max_new_tokens + 64,
     )
