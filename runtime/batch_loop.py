@@ -38,6 +38,7 @@ from .drafter_runner import DrafterRunner, scatter_block
 from .drafting_gate import DraftingGate, SplitStepCost
 from .kv_cache import SlotCache
 from .kv_tiers import HostTier
+from .live_cost import warm_record
 from .model_info import ModelInfo
 from .monitor import Monitor
 from .prefix_scheduler import Decision, SchedulerConfig, StepScheduler
@@ -194,6 +195,7 @@ class BatchEngine:
         if new:
             self._prefill(new)
         begin = _phase(seconds, "prefill", begin)
+        bindings = self.drafter.bindings_made, self.target.bindings_made  # this step's calls: cold if they bind
         self._retire()
         if not self.active:
             self._step += 1
@@ -282,8 +284,12 @@ class BatchEngine:
         )
         self.stats.record(record)
         observe = getattr(self.cost_model, "observe", None)
-        if observe is not None:  # a live cost model learns the machine's current speed
-            observe(record if plan is None else self.gate.observed(record, plan))
+        if observe is not None:  # a live cost model learns the machine's current speed, from warm calls
+            learned = warm_record(record if plan is None else self.gate.observed(record, plan),
+                                  drafter_bound=self.drafter.bindings_made != bindings[0],
+                                  target_bound=self.target.bindings_made != bindings[1])
+            if learned is not None:
+                observe(learned)
         self._retire()
         self._step += 1
         return record

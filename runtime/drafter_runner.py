@@ -88,6 +88,7 @@ class DrafterRunner:
                        for graph in (C.BACKBONE, C.HEAD_GREEDY) if graph in backend.specs}
         self.fused = C.BACKBONE_FUSED in backend.specs and kv.device is None
         self._fused_calls: dict[tuple[int, int, int, int], tuple[BoundCall, dict[str, np.ndarray]]] = {}
+        self.bindings_made = 0  # graph layouts bound so far: a call that binds one runs cold (live_cost.warm_record)
 
     def draft(
         self,
@@ -180,6 +181,7 @@ class DrafterRunner:
             outputs = self._outputs(C.BACKBONE, rows, first)
             outputs.update(zip(C.kv_names("present_context", len(layers) // 2), layers, strict=True))
             bound = self._fused_calls[key] = (self.backend.bind(C.BACKBONE_FUSED, feeds, outputs), feeds)
+            self.bindings_made += 1
         call, feeds = bound
         feeds["block_ids"][:, 0] = anchors
         feeds["block_position_ids"][...] = starts[:, None] + np.arange(gamma)
@@ -242,6 +244,7 @@ class DrafterRunner:
                     feeds["base_logits"] = backbone["base_logits"]
                 out = self._outputs(C.HEAD_GREEDY, rows)
                 self._greedy_heads[rows] = (self.backend.bind(C.HEAD_GREEDY, feeds, out), feeds, out)
+                self.bindings_made += 1
             call, feeds, out = self._greedy_heads[rows]
             if not np.may_share_memory(hidden, feeds["block_hidden"]):  # bounds only: the exact test is dear
                 raise ValueError("propose takes the block_hidden that this runner's draft() just returned")

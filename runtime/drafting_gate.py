@@ -23,15 +23,20 @@ constant; 0.5 is below what DSpark drafters accept (the demo pair: 0.72–0.89 p
 0.65–0.79 at T = 1, models/demo/README.md), on purpose: a low prior costs at most one step in
 which R − probe_rows rows verify only their anchor, a high one costs the blind full drafting of
 every request that this gate exists to avoid (measured: +116 ms of a 1212 ms run at 64 requests).
-Where the table says drafting pays even at α = 0.5 (one request, a memory-bound target) the
-first step drafts every row; otherwise it probes. A clear decision is reused for up to `DECLINE_STEPS`
-steps while what it rests on stands (`_still_declined`; `_still_paying`: drafting paid by `PAYS_MARGIN`):
-pricing was most of a one-request step's scheduling time.
+Where the table says drafting clearly pays even at α = 0.5 (by `PAYS_MARGIN`: one request, a
+memory-bound target) the first step drafts every row; otherwise it probes. (A marginal "pays" at the
+first step drafted every row's prompt with fresh, cold graph layouts: at 4 requests on the demo engine two
+such steps cost ~15 ms of a 124 ms run that plain decoding ran in 91.) A clear decision is reused for up to
+`DECLINE_STEPS` steps while what it rests on stands (`_still_declined`; `_still_paying`: drafting paid by
+`PAYS_MARGIN`): pricing was most of a one-request step's scheduling time.
 
 Probes. At the first step and after `probe_interval` steps without drafting, the `probe_rows` rows
-with the smallest backlogs draft (cheapest to catch up; R ≤ probe_rows: all of them); their
-confidences refresh the pool. The interval starts at `probe_every` and doubles with every probe, up
-to `MAX_PROBE_BACKOFF` times `probe_every`, until the gate drafts every row again (then it is
+with the smallest backlogs draft (cheapest to catch up), and never more than half of them (rounded up: at
+one request the probe is that request); their confidences refresh the pool. A probe of every row would
+verify their drafts too, widening every row's verification (measured at 4 requests on the demo engine: a
+probe step of all 4 rows took ~8 ms against ~1 ms for a plain step, 4 such steps a quarter of a run).
+The interval starts at `probe_every` and doubles with every probe, up to `MAX_PROBE_BACKOFF` times
+`probe_every`, until the gate drafts every row again (then it is
 `probe_every` anew): where drafting keeps not paying (a compute-bound target under load, text the
 drafter fails), probes are most of what the gate costs (measured: 16 requests on the demo engine,
 random prompts, 15 probes in 252 steps took 0.04 s of a 0.91 s run, 4 %). Not while a live cost model
@@ -181,7 +186,8 @@ class DraftingGate:
             normal = float(self.cost.draft_seconds(requests))
             amortised = catch_up_price(normal, excess, requests, self.catch_up_steps)
             with_drafts, plain = self.throughputs(requests, amortised, drafting=self._drafting)
-            if with_drafts > plain:
+            # before any row drafted (no pool) every row drafts only where the prior says it clearly pays
+            if with_drafts > plain and (self.pool or with_drafts >= PAYS_MARGIN * plain):
                 self._declined, self._drafting, self.probe_interval = None, True, self.probe_every
                 if with_drafts >= PAYS_MARGIN * plain:
                     self._paying, self._paying_steps = (requests, excess, normal), 0
@@ -193,8 +199,8 @@ class DraftingGate:
             return GatePlan(requests, every[:0], 0.0, normal, declined=True)
         if self.pool and getattr(self.cost, "draft_factor", 1.0) < SLOW_DRAFTER:  # (the first probe: no pool)
             self.probe_interval = min(2 * self.probe_interval, MAX_PROBE_BACKOFF * self.probe_every)
-        rows = every if requests <= self.probe_rows else np.sort(
-            np.argsort(backlogs, kind="stable")[: self.probe_rows])
+        probe_rows = min(self.probe_rows, (requests + 1) // 2)  # fewer than R where R > 1: anchors verify alone
+        rows = every if requests <= probe_rows else np.sort(np.argsort(backlogs, kind="stable")[:probe_rows])
         return GatePlan(requests, rows, self._price(backlogs[rows]), normal, int(self._excess(backlogs[rows]).sum()),
                         declined=True)
 

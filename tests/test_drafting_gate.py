@@ -77,7 +77,9 @@ def test_first_step_probes_the_cheapest_rows_when_the_table_says_drafting_cannot
         assert not len(plan.rows)  # plain decoding ...
         gate.record(plan, None)
     assert gate.plan(backlogs).rows.tolist() == [1, 3, 4, 6]  # ... until the next probe, of 4 rows again
-    assert DraftingGate(DEAR, block_size=GAMMA).plan(backlogs[:3]).all  # R <= probe_rows: a probe is every row
+    # never more than half the rows (rounded up), so the others' anchors verify alone: one request probes itself
+    assert DraftingGate(DEAR, block_size=GAMMA).plan(backlogs[:3]).rows.tolist() == [0, 1]
+    assert DraftingGate(DEAR, block_size=GAMMA).plan(backlogs[:1]).all
 
 
 def test_probes_back_off_while_drafting_does_not_pay_and_come_back_once_it_does():

@@ -108,7 +108,8 @@ def test_engine_stops_drafting_within_32_steps_of_a_4x_slower_drafter_and_resume
     # runs of 3-4 drafting steps; from 4x on every probe is one step.
     records, _ = run_under([(48, {}), (64, {"drafter": 4.0}), (96, {})], monkeypatch)
     drafted = "".join("d" if r.drafted else "." for r in records)  # one record per step: always busy
-    assert len(drafted) == 208 and drafted[:48] == "d" * 48, drafted  # drafting pays on the idle device
+    # drafting pays on the idle device, from the step after the first (a probe: the prior's case was not clear)
+    assert len(drafted) == 208 and drafted[:48] == "." + "d" * 47, drafted
     react = drafted.index(".", 48) - 48
     assert react <= 32, drafted  # measured: 11 steps (v3 pair)
     probes = drafted[48 + react : 112].count("d")
@@ -117,7 +118,7 @@ def test_engine_stops_drafting_within_32_steps_of_a_4x_slower_drafter_and_resume
     assert resume <= 48, drafted  # measured: 31 steps (two probes at the old speed, at most 16 steps apart)
     assert drafted.endswith("d" * 48), drafted
     per_request = [r.verified_tokens / r.requests for r in records]
-    assert min(per_request[:48]) > 4  # verified tokens per request: the schedule shrinks, then grows back
+    assert min(per_request[1:48]) > 4  # verified tokens per request: the schedule shrinks, then grows back
     assert np.mean(per_request[48 + react : 112]) < 1.5 < 4 < np.mean(per_request[-48:])
 
 
@@ -128,7 +129,7 @@ def test_engine_load_factor_follows_a_uniform_2x_slowdown_and_the_schedule_keeps
     assert load[39] == pytest.approx(1.0, abs=0.01)
     assert min(i for i in range(40, 72) if load[i] == pytest.approx(2.0, abs=0.02)) - 40 <= 17  # measured: 16
     assert min(i for i in range(72, 104) if load[i] == pytest.approx(1.0, abs=0.02)) - 72 <= 17
-    assert all(r.drafted for r in records)
+    assert all(r.drafted for r in records[1:])  # the first step probes (drafting_gate: the prior's margin)
 
 
 @pytest.mark.parametrize("live", [True, False])
@@ -169,3 +170,36 @@ def test_only_schedulers_that_price_steps_get_the_cost_model(mode, priced):
         drafted = [s for s in steps if s is not None and s.requests and any(s.lengths)]
         assert drafted or not priced
         assert all((s.predicted_seconds is not None) == priced for s in drafted)
+
+
+def test_steps_whose_calls_bind_new_layouts_teach_the_live_model_nothing_of_their_speed():
+    """A call that binds a graph layout pays the binding and its first run (live_cost.warm_record): a step whose
+    verification bound one is not learned at all, one whose drafter alone did is learned without its drafting;
+    warm drafting steps are learned as they ran."""
+    from dspark.tools.demo_engine import demo_engine_dir
+
+    options = RuntimeOptions(scheduler=SchedulerConfig("dspark", prompt_lookup=0), max_requests=1, max_seq_len=160)
+    with Runtime.load(demo_engine_dir(show_progress=False), options) as runtime:
+        engine = runtime.engine()
+        learned: list[StepRecord] = []
+        learn = engine.cost_model.observe
+        engine.cost_model.observe = lambda record: (learned.append(record), learn(record))
+        kinds = []
+        for prompt in PROMPTS[:2]:
+            engine.submit(prompt, max_new_tokens=64)
+            while not engine.idle:
+                drafter, target, seen = engine.drafter.bindings_made, engine.target.bindings_made, len(learned)
+                step = engine.step()
+                if step is None or not step.requests:
+                    continue
+                taught = learned[seen:]
+                if engine.target.bindings_made != target:
+                    kinds.append("target bound")
+                    assert not taught
+                elif engine.drafter.bindings_made != drafter and step.drafted:
+                    kinds.append("drafter bound")
+                    assert len(taught) == 1 and not taught[0].drafted and "draft" not in taught[0].seconds
+                else:
+                    kinds.append("warm drafting" if step.drafted else "warm")
+                    assert taught == [step]
+    assert kinds[0] == "target bound" and "drafter bound" in kinds and "warm drafting" in kinds, kinds
