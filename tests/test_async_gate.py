@@ -6,7 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from test_drafting_gate import CHEAP, DEAR, GAMMA, SplitCost, drafted_rows, greedy, pair, prompts, run
+from test_drafting_gate import CHEAP, DEAR, GAMMA, SplitCost
+from test_drafting_gate_engine import drafted_rows, greedy, pair, prompts, run
 
 from dspark.runtime.async_scheduler import AsyncScheduler, best_depth
 from dspark.runtime.batch_loop import BatchEngine

@@ -121,8 +121,9 @@ def test_probes_and_rows_drafting_apart_over_tensor_caches(case):
     """The drafting gate's partial steps over tensor caches: probe rows (not one contiguous range) and a
     long prompt's row drafting apart gather and scatter the drafter's cache by index; greedy output stays
     the target's (the golden pair of tests/test_drafting_gate.py)."""
-    from test_drafting_gate import CHEAP, DEAR, SplitCost, drafted_rows, greedy, prompts, run
-    from test_drafting_gate import pair as golden_pair
+    from test_drafting_gate import CHEAP, DEAR, SplitCost
+    from test_drafting_gate_engine import drafted_rows, greedy, prompts, run
+    from test_drafting_gate_engine import pair as golden_pair
 
     target, drafter = golden_pair()
     cost = {"skip-and-probe": DEAR, "middle": SplitCost(4e-4, 1e-4), "long-prompt": CHEAP}[case]

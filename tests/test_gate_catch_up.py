@@ -7,7 +7,8 @@ import time
 
 import numpy as np
 import pytest
-from test_drafting_gate import GAMMA, SplitCost, engine_for, greedy, prompts, run
+from test_drafting_gate import GAMMA, SplitCost
+from test_drafting_gate_engine import engine_for, greedy, prompts, run
 
 from dspark.runtime.drafting_gate import DraftingGate
 from dspark.runtime.live_cost import LiveSplitStepCost
