@@ -106,6 +106,12 @@ DRAFTING = ("draft", "heads")  # a step's phases that draft (StepRecord.seconds)
 DRAFTING_STEP = (*DRAFTING, "schedule")  # what a drafting step adds to a plain one (the live model's `drafting`)
 
 
+def without_drafting(record: StepRecord) -> StepRecord:
+    """`record` as a step that did not draft: its drafting phases left out, for a cost model that should learn
+    nothing of the drafter from it (a catch-up dearer than its price, a call that bound a new layout)."""
+    return replace(record, seconds={k: v for k, v in record.seconds.items() if k not in DRAFTING_STEP}, drafted=False)
+
+
 def catch_up_price(normal: float, excess: int, rows: int, steps: int = 1) -> float:
     """Seconds of drafting `rows` rows whose normal step costs `normal`, with `excess` context rows beyond a
     normal step's to catch up, that share spread over `steps` steps (module docstring: catch-up)."""
@@ -130,7 +136,7 @@ class GatePlan:
     price: float  # predicted seconds of drafting them, their whole backlogs included (0.0 if none)
     normal: float  # predicted seconds of a normal drafting step of all R rows
     excess: int = 0  # context rows they catch up beyond a normal step's (0: no catch-up)
-    declined: bool = False  # drafting does not pay: at most a probe drafts (of every row, where R <= probe_rows)
+    declined: bool = False  # drafting does not pay: at most a probe drafts (at most half the rows, rounded up)
 
     @property
     def all(self) -> bool:
@@ -332,6 +338,5 @@ class DraftingGate:
         scale = plan.normal / plan.price
         seconds = {k: v * scale if k in DRAFTING else v for k, v in record.seconds.items()}
         if plan.excess and sum(seconds.get(k, 0.0) for k in DRAFTING_STEP) > plan.normal:
-            return replace(record, seconds={k: v for k, v in record.seconds.items() if k not in DRAFTING_STEP},
-                           drafted=False)
+            return without_drafting(record)
         return replace(record, seconds=seconds, drafted=True)

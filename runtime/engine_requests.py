@@ -25,7 +25,8 @@ from .stats import RequestResult
 
 
 class EngineRequests:
-    """The requests half of `BatchEngine`: it sets these in its `__init__` (`_init_requests`), and steps."""
+    """The requests half of `BatchEngine`, whose `__init__` sets the attributes annotated here and calls
+    `_init_requests`, and whose `step` admits (`_admit`) and retires (`_retire`) through it."""
 
     info: ModelInfo
     admission: Admission

@@ -38,7 +38,6 @@ from __future__ import annotations
 import math
 from bisect import bisect_left, insort
 from collections import OrderedDict, deque
-from dataclasses import replace
 from functools import partial
 from statistics import median
 from typing import Any
@@ -46,7 +45,7 @@ from typing import Any
 import numpy as np
 
 from .cost_model import StepCost
-from .drafting_gate import DRAFTING_STEP, SplitStepCost
+from .drafting_gate import SplitStepCost, without_drafting
 from .stats import StepRecord
 
 Tokens = int | np.ndarray
@@ -70,10 +69,7 @@ def warm_record(record: StepRecord, *, drafter_bound: bool, target_bound: bool) 
     drafter look 1.6-2.4x slower than it was, and the drafting gate then declined where drafting paid."""
     if target_bound:
         return None
-    if not drafter_bound or not record.drafted:
-        return record
-    return replace(record, seconds={k: v for k, v in record.seconds.items() if k not in DRAFTING_STEP},
-                   drafted=False)
+    return without_drafting(record) if drafter_bound and record.drafted else record
 
 
 def floored(values: np.ndarray, bound: float) -> np.ndarray:

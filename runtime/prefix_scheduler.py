@@ -115,7 +115,7 @@ def survival(confidence_logits: torch.Tensor, temperatures: tuple[float, ...] | 
 
 
 def survival_array(confidence_logits: np.ndarray, temperatures: tuple[float, ...] | None = None) -> np.ndarray:
-    """`survival` in numpy, float64 (the engine's every step: a few µs where torch's small ops took ~35)."""
+    """`survival` in numpy, float64 (the engine's every step; timed in place, 29 µs a step against torch's 35)."""
     logits = np.asarray(confidence_logits, dtype=np.float64)
     if temperatures is not None:
         if len(temperatures) < logits.shape[1]:

@@ -257,10 +257,9 @@ def copy_logits(copies: LookupDrafts, logits: torch.Tensor | np.ndarray | None, 
     if not sampled:
         return logits
     rows, width = copies.tokens.shape
-    out = torch.zeros((rows, width, vocab_size))
+    logits = None if logits is None else torch.as_tensor(logits)
+    out = torch.zeros((rows, width, vocab_size), dtype=torch.float32 if logits is None else logits.dtype)
     if logits is not None:
-        logits = torch.as_tensor(logits)
-        out = out.to(logits.dtype)
         out[:, : logits.shape[1]] = logits
     index = torch.from_numpy(copies.tokens[sampled])  # [k, L]
     out[sampled] = torch.full((len(sampled), width, vocab_size), -torch.inf, dtype=out.dtype).scatter_(

@@ -89,7 +89,7 @@ class TargetRunner:
         # positions); False: the graph makes them everywhere and forward(last_only=True) picks them out
         self.selects_logits: bool = any(t.name == "logits_rows" for t in backend.specs[self.graph].inputs)
         self._new: tuple[list[tuple[np.ndarray, np.ndarray]], int, int] | None = None  # plain graphs' present
-        self.bindings_made = 0  # decode layouts bound so far: a call that binds one runs cold (live_cost.warm_record)
+        self.bindings_made = 0  # decode layouts bound and kept: the call binding one runs cold (live_cost.warm_record)
 
     def forward(self, batch: StepBatch, first_row: int = 0, last_only: bool = False) -> TargetOutput:
         """Run `batch` on slot rows first_row .. first_row + R - 1 (their committed lengths must be
@@ -137,9 +137,9 @@ class TargetRunner:
         call = self._bound.get(key) if first_row == 0 else None
         if call is None:
             call = self._bind_fused(batch.rows, batch.width, first_row, last_only)
-            self.bindings_made += not last_only
             if first_row == 0 and batch.width <= self._max_width and batch.rows * batch.width <= self._max_tokens:
                 self._bound[key] = call
+                self.bindings_made += not last_only  # once: a layout bound afresh every time is its steady cost
         if last_only:
             call.feeds["logits_rows"][:, 0] = batch.counts - 1
         call.feeds["input_ids"][...] = batch.ids
