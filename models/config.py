@@ -52,14 +52,41 @@ def _require(data: dict[str, Any], key: str, source: str, kind: type = int) -> A
     return value
 
 
-def _rope_theta(data: dict[str, Any], source: str) -> float:
-    # transformers >= 5 nests RoPE under `rope_parameters`; older configs use `rope_theta`
-    # and `rope_scaling`. Only plain RoPE is implemented; anything else is refused, not ignored.
+@dataclass(frozen=True)
+class Llama3RopeScaling:
+    """Llama-3.1's `rope_type: llama3`: long wavelengths slowed by `factor`, short ones kept, the
+    band between blended (applied to the frequencies in `layers.RotaryEmbedding`)."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+_LLAMA3_FIELDS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+def _rope(data: dict[str, Any], source: str) -> tuple[float, Llama3RopeScaling | None]:
+    """(theta, scaling). transformers >= 5 nests RoPE under `rope_parameters`; older configs use
+    `rope_theta` and `rope_scaling`. Plain and Llama-3.1 RoPE are implemented; anything else is
+    refused, not ignored."""
     params = data.get("rope_parameters") or data.get("rope_scaling") or {}
     rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type != "default":
-        raise CheckpointError(f"{source}: rope_type '{rope_type}' is not supported (only 'default')")
-    return float(params.get("rope_theta", data.get("rope_theta", 10000.0)))
+    theta = float(params.get("rope_theta", data.get("rope_theta", 10000.0)))
+    if rope_type == "default":
+        return theta, None
+    if rope_type != "llama3":
+        raise CheckpointError(f"{source}: rope_type '{rope_type}' is not supported (only 'default' and 'llama3')")
+    missing = [name for name in _LLAMA3_FIELDS if not isinstance(params.get(name), int | float)]
+    if missing:
+        raise CheckpointError(f"{source}: llama3 RoPE scaling needs numeric {', '.join(missing)}")
+    scaling = Llama3RopeScaling(float(params["factor"]), float(params["low_freq_factor"]),
+                                float(params["high_freq_factor"]), int(params["original_max_position_embeddings"]))
+    if scaling.factor < 1 or not 0 < scaling.low_freq_factor < scaling.high_freq_factor \
+            or scaling.original_max_position_embeddings <= 0:
+        raise CheckpointError(f"{source}: llama3 RoPE scaling {params} is not valid (factor >= 1, "
+                              "0 < low_freq_factor < high_freq_factor, original_max_position_embeddings > 0)")
+    return theta, scaling
 
 
 def _token_ids(value: Any) -> tuple[int, ...]:
@@ -80,6 +107,7 @@ class AttentionLayout:
     rotary_pairs: int  # frequency pairs that rotate: head_dim // 2, fewer for partial RoPE
     sliding_window: int | None = None  # a query sees the last `sliding_window` positions (itself included)
     keys_are_values: bool = False  # no v_proj: V is made from the (pre-norm) key projection
+    rope_scaling: Llama3RopeScaling | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {"head_dim": self.head_dim, "num_kv_heads": self.num_key_value_heads,
@@ -99,6 +127,7 @@ class DecoderConfig:
     head_dim: int
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
+    rope_scaling: Llama3RopeScaling | None = None
     attention_bias: bool = False
     qk_norm: bool = True
     hidden_act: str = "silu"  # Gemma-4's deltas from here on; "gelu_pytorch_tanh"
@@ -112,7 +141,8 @@ class DecoderConfig:
     def layout(self, layer: int) -> AttentionLayout:
         if self.layer_layouts:
             return self.layer_layouts[layer]
-        return AttentionLayout(self.head_dim, self.num_key_value_heads, self.rope_theta, self.head_dim // 2)
+        return AttentionLayout(self.head_dim, self.num_key_value_heads, self.rope_theta, self.head_dim // 2,
+                               rope_scaling=self.rope_scaling)
 
     @property
     def layouts(self) -> tuple[AttentionLayout, ...]:
@@ -152,6 +182,7 @@ def _decoder_fields(data: dict[str, Any], source: str, *, drafter: bool = False)
     head_dim = int(data.get("head_dim") or hidden // heads)
     if head_dim % 2:
         raise CheckpointError(f"{source}: head_dim {head_dim} must be even for RoPE")
+    theta, scaling = _rope(data, source)
     return {
         "vocab_size": _require(data, "vocab_size", source),
         "hidden_size": hidden,
@@ -161,7 +192,8 @@ def _decoder_fields(data: dict[str, Any], source: str, *, drafter: bool = False)
         "num_key_value_heads": kv_heads,
         "head_dim": head_dim,
         "rms_norm_eps": float(data.get("rms_norm_eps", 1e-6)),
-        "rope_theta": _rope_theta(data, source),
+        "rope_theta": theta,
+        "rope_scaling": scaling,
         "attention_bias": bool(data.get("attention_bias", False)),
         "qk_norm": _ARCHITECTURES[model_type]["qk_norm"],
     }

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import AttentionLayout, DecoderConfig
+from .config import AttentionLayout, DecoderConfig, Llama3RopeScaling
 
 
 class RMSNorm(nn.Module):
@@ -33,21 +33,38 @@ class RotaryEmbedding(nn.Module):
     is Gemma-4's proportional (partial) RoPE: the exponent still divides by the full head_dim.
     """
 
-    def __init__(self, head_dim: int, theta: float, rotary_pairs: int | None = None) -> None:
+    def __init__(self, head_dim: int, theta: float, rotary_pairs: int | None = None,
+                 scaling: Llama3RopeScaling | None = None) -> None:
         super().__init__()
         pairs = head_dim // 2 if rotary_pairs is None else rotary_pairs
         inv_freq = 1.0 / theta ** (torch.arange(0, 2 * pairs, 2, dtype=torch.float32) / head_dim)
+        if scaling is not None:
+            inv_freq = llama3_frequencies(inv_freq, scaling)
         inv_freq = torch.cat((inv_freq, torch.zeros(head_dim // 2 - pairs)))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     @classmethod
     def for_layout(cls, layout: AttentionLayout) -> RotaryEmbedding:
-        return cls(layout.head_dim, layout.rope_theta, layout.rotary_pairs)
+        return cls(layout.head_dim, layout.rope_theta, layout.rotary_pairs, layout.rope_scaling)
 
     def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = position_ids.float()[..., None] * self.inv_freq  # [B, T, hd/2]
         emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # [B, 1, T, hd]
         return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def llama3_frequencies(inv_freq: torch.Tensor, scaling: Llama3RopeScaling) -> torch.Tensor:
+    """Llama-3.1's frequency scaling: wavelengths longer than original / low_freq_factor are slowed
+    by `factor`, those shorter than original / high_freq_factor kept, the band between interpolated
+    linearly in original / wavelength."""
+    wavelength = 2 * torch.pi / inv_freq
+    original = scaling.original_max_position_embeddings
+    ramp = (original / wavelength - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+    blended = (1 - ramp) * inv_freq / scaling.factor + ramp * inv_freq
+    slowed = inv_freq / scaling.factor
+    long = wavelength > original / scaling.low_freq_factor
+    short = wavelength < original / scaling.high_freq_factor
+    return torch.where(long, slowed, torch.where(short, inv_freq, blended))
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

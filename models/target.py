@@ -159,7 +159,7 @@ class TargetModel(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         # One RoPE table per distinct layout (Gemma-4: sliding and global); `rotary` is layer 0's.
-        rope_keys = [(lay.head_dim, lay.rope_theta, lay.rotary_pairs) for lay in layouts]
+        rope_keys = [(lay.head_dim, lay.rope_theta, lay.rotary_pairs, lay.rope_scaling) for lay in layouts]
         distinct = list(dict.fromkeys(rope_keys))
         self.rotaries = nn.ModuleList(RotaryEmbedding(*key) for key in distinct)
         self.rotary_of_layer = [distinct.index(key) for key in rope_keys]

@@ -150,12 +150,14 @@ def _one_line_error(args) -> str:
 
 def test_refusals_come_first_in_one_line(pair_dir, tmp_path, monkeypatch):
     base = ["--target", str(pair_dir / "target"), "--drafter", str(pair_dir / "drafter"), "--stream-weights"]
-    # an architecture the loader does not implement: Llama-3.1's llama3 RoPE scaling
-    llama = tmp_path / "llama"
-    llama.mkdir()
-    (llama / "config.json").write_text(json.dumps(fixtures.target_config("llama-3.1-8b", layers=2)))
-    output = _one_line_error(["--target", str(llama), *base[2:], "--out", str(tmp_path / "a")])
-    assert "rope_type 'llama3' is not supported" in output
+    # an architecture the loader does not implement: YaRN RoPE scaling (Qwen3's long-context recipe)
+    yarn = tmp_path / "yarn"
+    yarn.mkdir()
+    config = {**fixtures.target_config("qwen3-8b", layers=2),
+              "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}}
+    (yarn / "config.json").write_text(json.dumps(config))
+    output = _one_line_error(["--target", str(yarn), *base[2:], "--out", str(tmp_path / "a")])
+    assert "rope_type 'yarn' is not supported" in output
     # a drafter made for another width / layer count
     other = tmp_path / "other"
     shutil.copytree(pair_dir / "drafter", other)

@@ -11,6 +11,8 @@ transformers = pytest.importorskip("transformers", reason="transformers is a tes
 
 SMALL = dict(vocab_size=96, hidden_size=48, intermediate_size=80, num_hidden_layers=3, num_attention_heads=6,
              num_key_value_heads=2, head_dim=8, max_position_embeddings=256, rms_norm_eps=1e-6)
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 512}
 
 
 def _hf_model(kind: str, tmp_path, tie: bool = False):
@@ -18,8 +20,11 @@ def _hf_model(kind: str, tmp_path, tie: bool = False):
     if kind == "qwen3":
         config = transformers.Qwen3Config(**SMALL, rope_theta=1e6, tie_word_embeddings=tie)
         model = transformers.Qwen3ForCausalLM(config)
-    else:
+    elif kind == "llama":
         config = transformers.LlamaConfig(**SMALL, rope_theta=5e5, tie_word_embeddings=tie, attention_bias=True)
+        model = transformers.LlamaForCausalLM(config)
+    else:  # Llama-3.1's RoPE scaling; a short original context so that all three bands hold frequencies
+        config = transformers.LlamaConfig(**SMALL, tie_word_embeddings=tie, rope_parameters=LLAMA3_ROPE)
         model = transformers.LlamaForCausalLM(config)
     with torch.no_grad():  # default init is too flat to separate top tokens; make logits peaked
         for p in model.parameters():
@@ -30,11 +35,17 @@ def _hf_model(kind: str, tmp_path, tie: bool = False):
     return model
 
 
-@pytest.mark.parametrize(("kind", "tie"), [("qwen3", False), ("qwen3", True), ("llama", False)])
+@pytest.mark.parametrize(("kind", "tie"), [("qwen3", False), ("qwen3", True), ("llama", False), ("llama3", False)])
 @torch.no_grad()
 def test_prefill_and_cached_steps_match_transformers(tmp_path, kind, tie):
     hf = _hf_model(kind, tmp_path, tie)
     assert (tmp_path / "model.safetensors.index.json").exists()
+    if kind == "llama3":  # the scaling is in force: slowed, kept and blended frequencies all occur
+        ours = TargetModel.from_pretrained(tmp_path)
+        plain = 1.0 / 5e5 ** (torch.arange(0, 8, 2) / 8)
+        ratio = plain / ours.rotary.inv_freq
+        assert torch.isclose(ratio, torch.tensor(1.0)).any() and torch.isclose(ratio, torch.tensor(8.0)).any()
+        assert ((ratio > 1.01) & (ratio < 7.99)).any(), ratio
     ours = TargetModel.from_pretrained(tmp_path, context_layer_ids=(-1, 0, 1))
     ids = torch.randint(0, SMALL["vocab_size"], (2, 21))
     reference = hf(ids, output_hidden_states=True)

@@ -97,7 +97,7 @@ def drafter_config(target: dict[str, Any], drafter_layers: int = DRAFTER_LAYERS)
     ids = deepspec_layer_ids(target["num_hidden_layers"], drafter_layers)
     keep = ("attention_bias", "attention_dropout", "head_dim", "hidden_act", "hidden_size", "initializer_range",
             "intermediate_size", "max_position_embeddings", "num_attention_heads", "num_key_value_heads",
-            "rms_norm_eps", "rope_theta", "vocab_size")
+            "rms_norm_eps", "rope_scaling", "rope_theta", "vocab_size")
     return {
         "architectures": ["Qwen3DSparkModel" if target["model_type"] == "qwen3" else "LlamaDSparkModel"],
         "model_type": target["model_type"], **{k: target[k] for k in keep if k in target},
@@ -119,7 +119,7 @@ def target_tensors(config: dict[str, Any], drafter_ids: list[int]) -> dict[str, 
     """Hugging Face names and shapes of the target's weights (no lm_head when tied)."""
     from dspark.models import TargetConfig, TargetModel
 
-    parsed = TargetConfig.from_dict(_loadable(config))
+    parsed = TargetConfig.from_dict(config)
     shapes = _shapes(lambda: TargetModel(parsed, tuple(drafter_ids)))
     if parsed.tie_word_embeddings:
         shapes.pop("lm_head.weight")
@@ -133,11 +133,6 @@ def drafter_tensors(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     parsed = DrafterConfig.from_dict(config)
     shapes = _shapes(lambda: DSparkDrafter(parsed))
     return {k: v for k, v in shapes.items() if k not in ("embed_tokens.weight", "lm_head.weight")}
-
-
-def _loadable(config: dict[str, Any]) -> dict[str, Any]:
-    """Llama-3.1's llama3 RoPE scaling is refused by the loader; its shapes do not depend on it."""
-    return {k: v for k, v in config.items() if k != "rope_scaling"}
 
 
 def _chunks(name: str, shape: tuple[int, ...], std: float) -> Iterator[bytes]:
