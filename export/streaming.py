@@ -143,25 +143,38 @@ def placeholder_parameters(dtype: torch.dtype) -> Iterator[None]:
             setattr(nn.init, name, fn)
 
 
+def target_prefix(located: dict[str, StoredTensor]) -> str:
+    """Hugging Face's names: model.* (Qwen3, Llama), model.language_model.* (Gemma-4's
+    Gemma4ForConditionalGeneration)."""
+    return "model.language_model." if any(k.startswith("model.language_model.") for k in located) else "model."
+
+
 def placeholder_pair(target_config: TargetConfig, drafter_config: DrafterConfig, dtype: torch.dtype,
-                     target_dir: Path, drafter_dir: Path) -> tuple[TargetModel, DSparkDrafter, dict[int, tuple]]:
+                     target_dir: Path, drafter_dir: Path, located: dict[Path, dict[str, StoredTensor]]
+                     ) -> tuple[TargetModel, DSparkDrafter, dict[int, tuple]]:
     """The pair over placeholders, and where each parameter's bytes are: id(param) -> (folder, key)."""
     with placeholder_parameters(dtype):
         target = TargetModel(target_config, drafter_config.target_layer_ids).eval()
         drafter = DSparkDrafter(drafter_config).eval()
     target.to(dtype)
     drafter.to(dtype)
+    prefix = target_prefix(located[target_dir])
     sources: dict[int, tuple] = {}
-    for name, param in target.named_parameters():  # tied lm_head: listed once, as embed_tokens
-        sources[id(param)] = (target_dir, name if name.startswith("lm_head") else f"model.{name}")
-    drafter_keys = index_checkpoint(drafter_dir)
+    for name, tensor in stored_tensors(target).items():  # tied lm_head: listed once, as embed_tokens
+        sources.setdefault(id(tensor), (target_dir, name if name.startswith("lm_head") else prefix + name))
     for name in ("embed_tokens.weight", "lm_head.weight"):
-        if name not in drafter_keys:  # DeepSpec copies them from the target
+        if name not in located[drafter_dir]:  # DeepSpec copies them from the target
             module = name.split(".")[0]
             drafter.get_submodule(module).weight = target.get_submodule(module).weight
-    for name, param in drafter.named_parameters():
-        sources.setdefault(id(param), (drafter_dir, name))
+    for name, tensor in stored_tensors(drafter).items():
+        sources.setdefault(id(tensor), (drafter_dir, name))
     return target, drafter, sources
+
+
+def stored_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
+    """What a checkpoint stores and a traced graph takes as weights: parameters and persistent buffers
+    (Gemma-4's per-layer `layer_scalar`)."""
+    return dict(module.state_dict(keep_vars=True))
 
 
 @contextmanager
@@ -180,7 +193,7 @@ def _trace(module: nn.Module, example: tuple[torch.Tensor, ...], spec, path: Pat
     """Trace `module` into `path` with its parameters as graph inputs; returns their names."""
     import warnings
 
-    params = dict(module.named_parameters())
+    params = stored_tensors(module)
     with warnings.catch_warnings(), torch.no_grad(), _shape_inference_without_weights():
         warnings.simplefilter("ignore")
         torch.onnx.export(module, example, str(path), input_names=spec.input_names,
@@ -194,7 +207,7 @@ def _attach_weights(path: Path, spec, module: nn.Module, sources: dict[int, tupl
                     located: dict[Path, dict[str, StoredTensor]]) -> list[Path]:
     """Turn the weight inputs of `path` into initializers stored in `<file>.data`, streamed from the shards."""
     model = onnx.load(str(path))
-    params = dict(module.named_parameters())
+    params = stored_tensors(module)
     contract = set(spec.input_names)
     weights = [v for v in model.graph.input if v.name not in contract]
     unknown = [v.name for v in weights if v.name not in params]
@@ -259,7 +272,8 @@ def export_pair_streaming(
     started = time.perf_counter()
     torch_dtype = TORCH_DTYPES[dtype]
     located = {target_dir: index_checkpoint(target_dir), drafter_dir: index_checkpoint(drafter_dir)}
-    target, drafter, sources = placeholder_pair(target_config, drafter_config, torch_dtype, target_dir, drafter_dir)
+    target, drafter, sources = placeholder_pair(target_config, drafter_config, torch_dtype, target_dir, drafter_dir,
+                                                located)
     jobs = [job for job in graph_jobs(target, drafter, dtype) if graphs_only is None or job.spec.name in graphs_only]
     _check_disk(out_dir, jobs, torch_dtype)
     graphs: dict[str, Any] = {}

@@ -44,6 +44,38 @@ def _qwen3(hidden: int, intermediate: int, layers: int, heads: int, tied: bool) 
             "max_window_layers": layers, "num_attention_heads": heads, "tie_word_embeddings": tied}
 
 
+def _gemma4_layer_types(layers: int) -> list[str]:
+    """Five sliding-window layers to one global, the last layer global."""
+    return ["full_attention" if (layers - 1 - i) % 6 == 0 else "sliding_attention" for i in range(layers)]
+
+
+def _gemma4_12b() -> dict[str, Any]:
+    """Gemma-4-12B as a text-only Gemma4ForConditionalGeneration (transformers 5.10's field names).
+    The model card gives 48 layers, width 3840, a 1024-token window, a 262,144 vocabulary, head dim
+    256 (sliding) / 512 (global), 5 sliding : 1 global with the last global, RoPE theta 1e4 / 1e6
+    (global: proportional, p = 0.25) and 11.95B parameters. Its head counts and MLP width are not
+    in what we can read offline: 16 query heads, 8 KV heads (4 on the K = V global layers) and an
+    MLP of 15,360 (Gemma-3-12B's) give 11.96B, so they are used."""
+    text = {
+        "model_type": "gemma4_text", "vocab_size": 262144, "hidden_size": 3840, "intermediate_size": 15360,
+        "num_hidden_layers": 48, "layer_types": _gemma4_layer_types(48), "num_attention_heads": 16,
+        "num_key_value_heads": 8, "head_dim": 256, "global_head_dim": 512, "num_global_key_value_heads": 4,
+        "attention_k_eq_v": True, "sliding_window": 1024, "final_logit_softcapping": 30.0,
+        "hidden_activation": "gelu_pytorch_tanh", "rms_norm_eps": 1e-06, "attention_bias": False,
+        "attention_dropout": 0.0, "max_position_embeddings": 262144, "initializer_range": 0.02,
+        "rope_parameters": {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1000000.0},
+        },
+        "hidden_size_per_layer_input": 0, "num_kv_shared_layers": 0, "enable_moe_block": False,
+        "use_double_wide_mlp": False, "tie_word_embeddings": True, "pad_token_id": 0, "bos_token_id": 2,
+        "eos_token_id": 1, "dtype": "bfloat16",
+    }
+    return {"architectures": ["Gemma4ForConditionalGeneration"], "model_type": "gemma4", "text_config": text,
+            "vision_config": None, "audio_config": None, "tie_word_embeddings": True, "initializer_range": 0.02,
+            "dtype": "bfloat16", "transformers_version": "5.10.2"}
+
+
 MODELS: dict[str, dict[str, Any]] = {
     "qwen3-0.6b": _qwen3(1024, 3072, 28, 16, tied=True),
     "qwen3-1.7b": _qwen3(2048, 6144, 28, 16, tied=True),
@@ -60,9 +92,13 @@ MODELS: dict[str, dict[str, Any]] = {
         "rope_theta": 500000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
         "transformers_version": "4.43.0.dev0", "use_cache": True, "vocab_size": 128256,
     },
+    "gemma-4-12b": _gemma4_12b(),
 }
-# A token id past each tokenizer's named tokens, for the drafter's mask token.
-MASK_TOKEN = {"qwen3": 151669, "llama": 128002}
+# The drafter's mask token: past each tokenizer's named tokens (Qwen3, Llama); Gemma-4's is
+# DeepSpec's recipe value.
+MASK_TOKEN = {"qwen3": 151669, "llama": 128002, "gemma4": 4}
+# Feature layers DeepSpec's recipes name instead of its default spacing (full depth only).
+RECIPE_LAYER_IDS = {"gemma-4-12b": [5, 17, 29, 41, 46]}
 DRAFTER_LAYERS, BLOCK_SIZE, MARKOV_RANK = 5, 7, 256
 SHARD_BYTES = 2 * 2**30
 _CHUNK_ELEMENTS = 2**24  # elements per write: ~32 MB of bf16
@@ -83,28 +119,45 @@ def deepspec_layer_ids(target_layers: int, drafter_layers: int) -> list[int]:
     return sorted({round(i * last / max(count - 1, 1)) for i in range(count)})
 
 
+def _text(config: dict[str, Any]) -> dict[str, Any]:
+    """The decoder's fields: Gemma-4 nests them under `text_config`."""
+    return config.get("text_config") or config
+
+
 def target_config(model: str, layers: int | None = None) -> dict[str, Any]:
-    config = dict(MODELS[model])
+    config = json.loads(json.dumps(MODELS[model]))  # a deep copy
     if layers is not None:
-        config["num_hidden_layers"] = layers
-        if "max_window_layers" in config:
-            config["max_window_layers"] = layers
+        text = _text(config)
+        text["num_hidden_layers"] = layers
+        if "max_window_layers" in text:
+            text["max_window_layers"] = layers
+        if "layer_types" in text:
+            text["layer_types"] = _gemma4_layer_types(layers)
     return config
 
 
-def drafter_config(target: dict[str, Any], drafter_layers: int = DRAFTER_LAYERS) -> dict[str, Any]:
-    """The DSpark drafter DeepSpec trains for `target` (same width, heads and vocabulary)."""
-    ids = deepspec_layer_ids(target["num_hidden_layers"], drafter_layers)
+def drafter_config(target: dict[str, Any], drafter_layers: int = DRAFTER_LAYERS,
+                   layer_ids: list[int] | None = None) -> dict[str, Any]:
+    """The DSpark drafter DeepSpec trains for `target` (same width, heads and vocabulary). DeepSpec copies
+    the target's decoder fields into it; a Gemma-4 drafter's layers are all global-style."""
+    text = _text(target)
+    ids = layer_ids or deepspec_layer_ids(text["num_hidden_layers"], drafter_layers)
+    dspark = {
+        "num_hidden_layers": len(ids), "target_layer_ids": ids, "num_target_layers": text["num_hidden_layers"],
+        "block_size": BLOCK_SIZE, "mask_token_id": MASK_TOKEN[target["model_type"]],
+        "markov_rank": MARKOV_RANK, "markov_head_type": "vanilla", "enable_confidence_head": True,
+        "confidence_head_with_markov": True, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    }
+    if target["model_type"] == "gemma4":
+        fields = {k: v for k, v in text.items() if k not in ("tie_word_embeddings", "dtype")}
+        return {"architectures": ["Gemma4DSparkModel"], **fields, "layer_types": ["full_attention"] * len(ids),
+                "target_model_type": "gemma4", "target_text_model_type": text["model_type"], **dspark}
     keep = ("attention_bias", "attention_dropout", "head_dim", "hidden_act", "hidden_size", "initializer_range",
             "intermediate_size", "max_position_embeddings", "num_attention_heads", "num_key_value_heads",
             "rms_norm_eps", "rope_scaling", "rope_theta", "vocab_size")
     return {
         "architectures": ["Qwen3DSparkModel" if target["model_type"] == "qwen3" else "LlamaDSparkModel"],
-        "model_type": target["model_type"], **{k: target[k] for k in keep if k in target},
-        "num_hidden_layers": len(ids), "target_layer_ids": ids, "num_target_layers": target["num_hidden_layers"],
-        "block_size": BLOCK_SIZE, "mask_token_id": MASK_TOKEN[target["model_type"]],
-        "markov_rank": MARKOV_RANK, "markov_head_type": "vanilla", "enable_confidence_head": True,
-        "confidence_head_with_markov": True, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+        "model_type": target["model_type"], **{k: text[k] for k in keep if k in text}, **dspark,
     }
 
 
@@ -123,7 +176,8 @@ def target_tensors(config: dict[str, Any], drafter_ids: list[int]) -> dict[str, 
     shapes = _shapes(lambda: TargetModel(parsed, tuple(drafter_ids)))
     if parsed.tie_word_embeddings:
         shapes.pop("lm_head.weight")
-    return {(k if k.startswith("lm_head") else f"model.{k}"): v for k, v in shapes.items()}
+    prefix = "model.language_model." if config["model_type"] == "gemma4" else "model."
+    return {(k if k.startswith("lm_head") else prefix + k): v for k, v in shapes.items()}
 
 
 def drafter_tensors(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
@@ -190,7 +244,7 @@ def write_checkpoint(folder: Path, config: dict[str, Any], shapes: dict[str, tup
         shards[-1][name] = shape
         used += size
     weight_map, total = {}, 0
-    std = float(config.get("initializer_range", 0.02))
+    std = float(_text(config).get("initializer_range", 0.02))
     for i, shard in enumerate(shards, 1):
         name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
         if progress:
@@ -209,7 +263,8 @@ def make_pair(model: str, out: Path, *, layers: int | None = None, drafter_layer
     if model not in MODELS:
         raise click.UsageError(f"--model {model!r} is not one of {sorted(MODELS)}")
     target = target_config(model, layers)
-    drafter = drafter_config(target, drafter_layers)
+    recipe = RECIPE_LAYER_IDS.get(model) if layers is None and drafter_layers == DRAFTER_LAYERS else None
+    drafter = drafter_config(target, drafter_layers, recipe)
     return {
         "target": write_checkpoint(out / "target", target, target_tensors(target, drafter["target_layer_ids"]),
                                    shard_bytes=shard_bytes, progress=progress),
