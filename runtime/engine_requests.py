@@ -78,8 +78,11 @@ class EngineRequests:
         """Committed tokens of a request (finished, active, or [] while queued)."""
         if request_id in self.finished:
             return self.finished[request_id].tokens
+        for a in self.active:  # read after every step of a stream: no list of every row built for it
+            if a.result.request_id == request_id:
+                return a.result.tokens[: a.max_new_tokens]
         swapped = self.tiers.requests() if self.tiers is not None else []
-        active = next((a for a in [*self.active, *swapped] if a.result.request_id == request_id), None)
+        active = next((a for a in swapped if a.result.request_id == request_id), None)
         return [] if active is None else active.result.tokens[: active.max_new_tokens]
 
     @property

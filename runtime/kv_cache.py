@@ -108,7 +108,6 @@ class SlotCache:
     def advance(self, counts: Sequence[int] | np.ndarray, first_row: int = 0) -> None:
         """Count `counts[r]` more committed entries in slot row first_row + r (a graph that writes
         its keys and values in place has already put them there)."""
-        counts = np.asarray(counts, dtype=np.int64)
         self.lengths[first_row : first_row + len(counts)] += counts
 
     def move(self, source: int, dest: int) -> None:

@@ -96,13 +96,13 @@ class TargetRunner:
         batch.starts). `last_only` (a prefill): logits for each row's last real token only, [R, 1, V]; a
         fused graph with `logits_rows` then skips the LM head everywhere else."""
         rows, width = batch.rows, batch.width
-        if int(batch.starts.max()) + width > self.kv.max_len:
-            raise CapacityError(f"KV slot overflow: {int(batch.starts.max())} + {width} > "
-                                f"slot length {self.kv.max_len}")
+        longest = int(batch.starts.max())
+        if longest + width > self.kv.max_len:
+            raise CapacityError(f"KV slot overflow: {longest} + {width} > slot length {self.kv.max_len}")
         if self.kv_mode == "fused":
             if last_only and not self.selects_logits:
-                return _last(self._fused(batch, first_row, False), batch)
-            return self._fused(batch, first_row, last_only)
+                return _last(self._fused(batch, first_row, False, longest), batch)
+            return self._fused(batch, first_row, last_only, longest)
         feeds = {"input_ids": batch.ids, "position_ids": batch.positions, "attention_mask": None}
         layers = self.kv.past(first_row, rows, None if self.kv_mode == "static" else int(batch.starts.max()))
         if self.kv_mode == "static":
@@ -129,7 +129,7 @@ class TargetRunner:
             logits = logits[rows_at, last_at][:, None]
         return TargetOutput(as_numpy(logits), as_numpy(out["context_features"]))
 
-    def _fused(self, batch: StepBatch, first_row: int, last_only: bool) -> TargetOutput:
+    def _fused(self, batch: StepBatch, first_row: int, last_only: bool, longest: int) -> TargetOutput:
         """Decode steps (rows 0..R-1, width W) reuse one binding per (R, W), made the first time;
         prefills, whose widths are the prompts', bind afresh (and are not kept: a long one has buffers of
         its own), as do steps too wide for the buffers."""
@@ -144,7 +144,7 @@ class TargetRunner:
             call.feeds["logits_rows"][:, 0] = batch.counts - 1
         call.feeds["input_ids"][...] = batch.ids
         call.feeds["seqlens_k"][...] = batch.starts + batch.width - 1
-        call.feeds["total_sequence_length"][...] = int(batch.starts.max()) + batch.width
+        call.feeds["total_sequence_length"][...] = longest + batch.width  # longest: max(starts)
         call.call.run()
         return call.output
 

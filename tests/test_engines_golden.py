@@ -178,6 +178,19 @@ def test_runtime_on_engine_dir_is_lossless_and_each_call_has_a_bucket(engine_dir
         traces["samples"][1]["prompt_ids"], max_new_tokens=16)[0].tokens == traces["samples"][1]["generated_ids"][:16]
 
 
+@pytest.mark.parametrize("kv_mode", ["fused", "concat"])
+def test_plain_decoding_on_the_engine_is_the_targets_greedy(engine_dir, kv_mode):
+    """Scheduler off, greedy (BatchEngine's plain step): every request of a batch, arriving together,
+    gets the target's own greedy tokens (the golden traces' output is the target's greedy)."""
+    samples = load_json(golden_path(SET, "traces.json"))["samples"]
+    options = RuntimeOptions(scheduler=SchedulerConfig("off"), kv_mode=kv_mode, max_requests=4, max_seq_len=256)
+    with Runtime.load(engine_dir, options) as runtime:
+        results = runtime.generate([s["prompt_ids"] for s in samples], max_new_tokens=48)
+        assert all(set(r.acceptance_lengths) == {1} for r in results)  # one token a step
+        for result, sample in zip(results, samples, strict=True):
+            assert result.tokens == sample["generated_ids"][:48]
+
+
 def test_runtime_load_uses_the_engine_table_and_temperatures(engine_dir, tmp_path, monkeypatch):
     import dspark.runtime.api as api
 

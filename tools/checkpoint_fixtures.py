@@ -7,9 +7,10 @@ weights in sharded safetensors with an index, and a DSpark drafter as DeepSpec t
 Writes DIR/target (Hugging Face layout: config.json, model-0000i-of-0000n.safetensors,
 model.safetensors.index.json) and DIR/drafter (DeepSpec layout; it omits the embedding and LM
 head, which DeepSpec copies from the target). Nothing is downloaded: the configs below are the
-public model cards' config.json values (Gemma-4-12B's partly inferred: see `_gemma4_12b`). Weights are written tensor by tensor, in row chunks, so
-memory stays at one chunk whatever the model's size; each tensor's values come from a generator
-seeded by its name (a pool of draws, tiled), so a fixture is the same on every machine.
+public model cards' config.json values (Gemma-4-12B's partly inferred: see `_gemma4_12b`). Weights
+are written tensor by tensor, in row chunks, so memory stays at one chunk whatever the model's size;
+each tensor's values come from a generator seeded by its name (a pool of draws, tiled), so a fixture
+is the same on every machine.
 
 The drafter follows the DSpark paper's setup (5 layers, block size 7, vanilla Markov head of rank
 256 with the confidence head reading it) with DeepSpec's default feature layers: evenly spaced over
