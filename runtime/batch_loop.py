@@ -174,7 +174,8 @@ class BatchEngine(EngineRequests):
             begin = time.perf_counter()
         confidence = None if block is None or block.confidence_logits is None else torch.as_tensor(
             block.confidence_logits)
-        survivals = self.planner.survivals(confidence)  # read by Algorithm 1 and the gate alike
+        # read by Algorithm 1 and the gate alike; from the head's own array (numpy from a torch tensor is dear)
+        survivals = self.planner.survivals(None if confidence is None else block.confidence_logits)
         candidates = survivals  # Algorithm 1's: the DSpark rows', and the copying rows' below
         if copies is not None:
             block, candidates = with_copies(copies, block, None if probe_only else survivals, temperatures,
