@@ -243,14 +243,7 @@ class BatchEngine(EngineRequests):
                                   np.fromiter((a.start for a in active), np.int64, rows))
         out = self.target.forward(batch)
         begin = _phase(seconds, "verify", begin)
-        greedy = out.logits[:, 0].argmax(axis=-1) if out.greedy_ids is None else out.greedy_ids[:, 0]
-        self.target.commit(batch.counts)
-        for a, token in zip(active, greedy.tolist(), strict=True):
-            a.result.tokens.append(token)
-            a.result.acceptance_lengths.append(1)
-            a.result.proposal_lengths.append(0)
-            a.start += 1
-            a.anchor = token
+        self._commit_anchors(batch, out)
         _phase(seconds, "commit", begin)
         load = self.monitor.sample() if self.monitor else None
         return StepRecord(step=self._step, requests=rows, admitted_new=admitted, lengths=[0] * rows,
@@ -298,10 +291,29 @@ class BatchEngine(EngineRequests):
             a.add_context(context[batch.cu_counts[r] : batch.cu_counts[r + 1]])
             self.active.append(a)
 
+    def _commit_anchors(self, batch: StepBatch, out) -> list[int]:
+        """A step that verified anchors only, every row greedy (plain decoding, a declined step): each row
+        gains the target's argmax; the drafter's context rows are kept where it may draft later."""
+        greedy = out.logits[:, 0].argmax(axis=-1) if out.greedy_ids is None else out.greedy_ids[:, 0]
+        self.target.commit(batch.counts)
+        if self.scheduler.needs_drafts:
+            context = out.context_features[: batch.rows, 0].copy()  # [R, F]: the buffer is the next step's
+            for r, a in enumerate(self.active):
+                a.add_context(context[r : r + 1])
+        for a, token in zip(self.active, greedy.tolist(), strict=True):
+            a.result.tokens.append(token)
+            a.result.acceptance_lengths.append(1)
+            a.result.proposal_lengths.append(0)
+            a.start += 1
+            a.anchor = token
+        return [1] * batch.rows
+
     def _reconcile(self, batch: StepBatch, out, block, temperatures: list[float],
                    generators: list[torch.Generator | None]) -> list[int]:
         """Accept, commit the accepted KV entries, hand the new context rows to the drafter, and
         append each request's tokens."""
+        if batch.width == 1 and not any(temperatures):
+            return self._commit_anchors(batch, out)
         drafts, bonus = verify_chains(batch, out.logits, out.greedy_ids, None if block is None else block.logits,
                                       temperatures, generators)
         kept = drafts + 1

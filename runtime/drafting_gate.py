@@ -30,6 +30,14 @@ such steps cost ~15 ms of a 124 ms run that plain decoding ran in 91.) A clear d
 `DECLINE_STEPS` steps while what it rests on stands (`_still_declined`; `_still_paying`: drafting paid by
 `PAYS_MARGIN`): pricing was most of a one-request step's scheduling time.
 
+Switching. Once the gate has declined, drafting every row again needs Θ_draft ≥ `SWITCH_MARGIN` × Θ_plain
+(staying with drafting needs only Θ_draft > Θ_plain): the table's prices leave out what a switch costs (the
+rows' backlogs caught up, verification widened for every row), and a marginal switch that does not pay costs
+several plain steps, while staying declined where drafting would pay by less than the margin costs less than
+that. Measured on the bench's sweep runner (scratch A/B, interleaved, 32-token requests, medians of 5 runs):
+demo engine at 4 requests 0.74-0.79 → 0.88-0.90 of plain decoding's tokens/s, 16 requests 0.82 → 0.84-0.86;
+the 100M cost stand-in (3 runs, 16-token requests) unchanged within noise at 1, 4 and 16 requests.
+
 Probes. At the first step and after `probe_interval` steps without drafting, the `probe_rows` rows
 with the smallest backlogs draft (cheapest to catch up), and never more than half of them (rounded up: at
 one request the probe is that request); their confidences refresh the pool. A probe of every row would
@@ -100,6 +108,7 @@ ACCEPTANCE_DEADBAND = 0.1  # a ratio this close to 1 is taken as 1
 MAX_ACCEPTANCE_SCALE = 1.5  # confidences that promise less than is accepted are scaled up this much at most
 DECLINE_STEPS = 8  # steps a "drafting does not pay" (or pays by PAYS_MARGIN) is reused while it stands
 PAYS_MARGIN = 1.25  # Θ_draft ≥ this × Θ_plain: a clear "drafting pays", reused like a decline
+SWITCH_MARGIN = 1.1  # from a decline to drafting every row, Θ_draft ≥ this × Θ_plain (module docstring)
 MAX_PROBE_BACKOFF = 8  # probes that keep finding drafting unprofitable come at most this many times rarer
 SLOW_DRAFTER = 1.5  # a live draft factor from which probes do not back off (a slowed drafter may recover)
 DRAFTING = ("draft", "heads")  # a step's phases that draft (StepRecord.seconds)
@@ -193,7 +202,8 @@ class DraftingGate:
             amortised = catch_up_price(normal, excess, requests, self.catch_up_steps)
             with_drafts, plain = self.throughputs(requests, amortised, drafting=self._drafting)
             # before any row drafted (no pool) every row drafts only where the prior says it clearly pays
-            if with_drafts > plain and (self.pool or with_drafts >= PAYS_MARGIN * plain):
+            switch = 1.0 if self._drafting else SWITCH_MARGIN  # from declined to drafting every row: a margin
+            if with_drafts > switch * plain and (self.pool or with_drafts >= PAYS_MARGIN * plain):
                 self._declined, self._drafting, self.probe_interval = None, True, self.probe_every
                 if with_drafts >= PAYS_MARGIN * plain:
                     self._paying, self._paying_steps = (requests, excess, normal), 0

@@ -5,9 +5,10 @@ drafted and bought nothing; a narrow one is priced every step."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from test_drafting_gate import GAMMA, SplitCost, confident
 
-from dspark.runtime.drafting_gate import DECLINE_STEPS, PAYS_MARGIN, DraftingGate
+from dspark.runtime.drafting_gate import DECLINE_STEPS, PAYS_MARGIN, SWITCH_MARGIN, DraftingGate
 
 
 class Counting(SplitCost):
@@ -55,13 +56,30 @@ def test_a_clear_pays_is_reused_until_a_step_buys_nothing():
 
 
 def test_a_narrow_pays_is_priced_every_step():
-    gate, calls = gate_with(per_token=6e-4)  # drafting pays, by less than PAYS_MARGIN
+    gate, calls = gate_with(per_token=3.5e-4)  # drafting pays, by less than PAYS_MARGIN (enough to switch to it)
     backlogs = np.full(4, 8)
     with_drafts, plain = gate.throughputs(4, gate.cost.draft_seconds(4))
-    assert plain < with_drafts < PAYS_MARGIN * plain
+    assert SWITCH_MARGIN * plain < with_drafts < PAYS_MARGIN * plain
     plan = gate.plan(backlogs)  # before any row drafted, a narrow "pays" from the prior alone probes (half the rows)
     assert plan.probe and len(plan.rows) == 2
     gate.record(plan, confident(len(backlogs), LIKE_THE_PRIOR))
     calls.clear()
     drafting_steps(gate, backlogs, 4)
     assert len(calls) == 4
+
+
+@pytest.mark.parametrize("margin", [SWITCH_MARGIN, 1.0], ids=["margin", "control-without-margin"])
+def test_after_a_decline_drafting_every_row_again_needs_the_switching_margin(monkeypatch, margin):
+    """A gain under SWITCH_MARGIN keeps a declined gate declined (the switch would pay for backlogs and wider
+    verification the table does not price); the control, the same gate without the margin, switches."""
+    import dspark.runtime.drafting_gate as gate_module
+
+    monkeypatch.setattr(gate_module, "SWITCH_MARGIN", margin)
+    gate, _ = gate_with(per_token=5e-4)  # drafting pays, by less than the margin
+    backlogs = np.full(4, 8)
+    probe = gate.plan(backlogs)  # the first step: no pool, a narrow prior gain probes
+    assert probe.probe
+    gate.record(probe, confident(len(backlogs), LIKE_THE_PRIOR))
+    with_drafts, plain = gate.throughputs(4, gate.cost.draft_seconds(4))
+    assert plain < with_drafts < SWITCH_MARGIN * plain
+    assert gate.plan(backlogs).all == (margin == 1.0)
