@@ -58,8 +58,9 @@ def confident(rows: int, logit: float = 3.0) -> torch.Tensor:
 
 # -- the gate alone ------------------------------------------------------------------------------
 def test_first_step_probes_the_cheapest_rows_when_the_table_says_drafting_cannot_pay():
-    gate = DraftingGate(DEAR, block_size=GAMMA)
     backlogs = np.array([30, 5, 40, 5, 9, 12, 7, 50])
+    assert DraftingGate(DEAR, block_size=GAMMA).plan(backlogs).rows.tolist() == [1]  # by default one row probes
+    gate = DraftingGate(DEAR, block_size=GAMMA, probe_rows=4)
     plan = gate.plan(backlogs)
     assert plan.probe and plan.rows.tolist() == [1, 3, 4, 6]  # the 4 smallest backlogs, nobody else
     gate.record(plan, confident(8))
@@ -69,8 +70,8 @@ def test_first_step_probes_the_cheapest_rows_when_the_table_says_drafting_cannot
         gate.record(plan, None)
     assert gate.plan(backlogs).rows.tolist() == [1, 3, 4, 6]  # ... until the next probe, of 4 rows again
     # never more than half the rows (rounded up), so the others' anchors verify alone: one request probes itself
-    assert DraftingGate(DEAR, block_size=GAMMA).plan(backlogs[:3]).rows.tolist() == [0, 1]
-    assert DraftingGate(DEAR, block_size=GAMMA).plan(backlogs[:1]).all
+    assert DraftingGate(DEAR, block_size=GAMMA, probe_rows=4).plan(backlogs[:3]).rows.tolist() == [0, 1]
+    assert DraftingGate(DEAR, block_size=GAMMA, probe_rows=4).plan(backlogs[:1]).all
 
 
 def test_probes_back_off_while_drafting_does_not_pay_and_come_back_once_it_does():
@@ -109,7 +110,7 @@ def test_a_probe_pools_the_survivals_of_its_own_rows_only():
     logits[[0, 2, 5, 7]] = -torch.inf  # the engine's rows that did not draft
     pools = []
     for given in (True, False):
-        gate = DraftingGate(DEAR, block_size=GAMMA)
+        gate = DraftingGate(DEAR, block_size=GAMMA, probe_rows=4)
         plan = gate.plan(backlogs)
         gate.record(plan, logits, survivals=survival(logits).numpy() if given else None)
         pools.append(gate.pool.rows())

@@ -89,9 +89,10 @@ def test_engine_drafts_only_the_probe_rows_from_the_first_step():
     batch = list(prompts())[:8]
     run(engine, {0: batch}, 24)
     steps = [s for s in engine.stats.steps if s.requests > engine.gate.probe_rows]
-    shortest = sorted(np.argsort([len(q) for q in batch], kind="stable")[:4].tolist())
+    probe_rows = engine.gate.probe_rows
+    shortest = sorted(np.argsort([len(q) for q in batch], kind="stable")[:probe_rows].tolist())
     assert drafted_rows(steps[0]) == shortest  # the rows with the least context to catch up
-    assert recorder.calls[0] == (4, max(len(batch[r]) for r in shortest))  # the drafter ran on them alone
+    assert recorder.calls[0] == (probe_rows, max(len(batch[r]) for r in shortest))  # the drafter ran on them alone
     assert max(rows for rows, _ in recorder.calls) <= engine.gate.probe_rows
     probes = [i for i, s in enumerate(steps) if drafted_rows(s)]
     assert len(probes) >= 2 and probes[0] == 0

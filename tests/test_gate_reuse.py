@@ -60,8 +60,8 @@ def test_a_narrow_pays_is_priced_every_step():
     backlogs = np.full(4, 8)
     with_drafts, plain = gate.throughputs(4, gate.cost.draft_seconds(4))
     assert SWITCH_MARGIN * plain < with_drafts < PAYS_MARGIN * plain
-    plan = gate.plan(backlogs)  # before any row drafted, a narrow "pays" from the prior alone probes (half the rows)
-    assert plan.probe and len(plan.rows) == 2
+    plan = gate.plan(backlogs)  # before any row drafted, a narrow "pays" from the prior alone probes
+    assert plan.probe and len(plan.rows) == gate.probe_rows
     gate.record(plan, confident(len(backlogs), LIKE_THE_PRIOR))
     calls.clear()
     drafting_steps(gate, backlogs, 4)
