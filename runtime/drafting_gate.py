@@ -35,7 +35,8 @@ Switching. Once the gate has declined, drafting every row again needs Θ_draft �
 rows' backlogs caught up, verification widened for every row), and a marginal switch that does not pay costs
 several plain steps, while staying declined where drafting would pay by less than the margin costs less than
 that. Measured on the bench's sweep runner (scratch A/B, interleaved, 32-token requests, medians of 5 runs):
-demo engine at 4 requests 0.74-0.79 → 0.88-0.90 of plain decoding's tokens/s, 16 requests 0.82 → 0.84-0.86;
+demo engine at 4 requests 0.74 → 0.88 of plain decoding's tokens/s (0.79 → 0.90 in a second run), 16 requests
+0.82 → 0.835 (0.861 → 0.860 in the second);
 the 100M cost stand-in (3 runs, 16-token requests) unchanged within noise at 1, 4 and 16 requests.
 
 Probes. At the first step and after `probe_interval` steps without drafting, the `probe_rows` rows
