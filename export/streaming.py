@@ -42,6 +42,7 @@ from torch import nn
 from dspark.models import DrafterConfig, DSparkDrafter, TargetConfig, TargetModel
 from dspark.models.checkpoint import checkpoint_files
 from dspark.models.config import CheckpointError
+from dspark.models.target import HF_PREFIXES
 
 from .lower import EXTERNAL_SUFFIX, ExportError, _fix_bfloat16_casts, check_matches_spec
 from .manifest import FORMAT_VERSION, file_entries, model_section, write_manifest
@@ -144,9 +145,8 @@ def placeholder_parameters(dtype: torch.dtype) -> Iterator[None]:
 
 
 def target_prefix(located: dict[str, StoredTensor]) -> str:
-    """Hugging Face's names: model.* (Qwen3, Llama), model.language_model.* (Gemma-4's
-    Gemma4ForConditionalGeneration)."""
-    return "model.language_model." if any(k.startswith("model.language_model.") for k in located) else "model."
+    """The prefix of a target checkpoint's decoder weights (`target.HF_PREFIXES`: Gemma-4's nested first)."""
+    return next((p for p in HF_PREFIXES if any(k.startswith(p) for k in located)), HF_PREFIXES[-1])
 
 
 def placeholder_pair(target_config: TargetConfig, drafter_config: DrafterConfig, dtype: torch.dtype,

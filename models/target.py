@@ -234,8 +234,13 @@ def softcap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
     return logits if cap is None else torch.tanh(logits / cap) * cap
 
 
+# Hugging Face's names for the decoder's weights: Gemma4ForConditionalGeneration nests it under the first
+# (its model.language_model), Qwen3ForCausalLM / LlamaForCausalLM keep it under the second.
+HF_PREFIXES = ("model.language_model.", "model.")
+
+
 def _strip_hf_prefix(name: str) -> str:
-    for prefix in ("model.language_model.", "model."):
+    for prefix in HF_PREFIXES:
         if name.startswith(prefix):
             return name[len(prefix):]
     return name

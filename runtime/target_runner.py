@@ -104,18 +104,17 @@ class TargetRunner:
                 return _last(self._fused(batch, first_row, False, longest), batch)
             return self._fused(batch, first_row, last_only, longest)
         feeds = {"input_ids": batch.ids, "position_ids": batch.positions, "attention_mask": None}
-        layers = self.kv.past(first_row, rows, None if self.kv_mode == "static" else int(batch.starts.max()))
+        layers = self.kv.past(first_row, rows, None if self.kv_mode == "static" else longest)
         if self.kv_mode == "static":
             cache_cols = self.kv.max_len
             prefix, out_prefix, offset = "cache", "new", 0
         else:
-            cache_cols = int(batch.starts.max())
+            cache_cols = longest
             prefix, out_prefix, offset = "past_key_values", "present", cache_cols
         mask = np.zeros((rows, 1, width, cache_cols + width), dtype=bool)
         plain = batch.attention_mask()  # [R, 1, W, max start + W]
-        past = int(batch.starts.max())
-        mask[..., :past] = plain[..., :past]
-        mask[..., cache_cols:] = plain[..., past:]
+        mask[..., :longest] = plain[..., :longest]
+        mask[..., cache_cols:] = plain[..., longest:]
         feeds["attention_mask"] = mask
         feeds.update(zip(C.kv_names(prefix, len(layers)), (t for kv in layers for t in kv), strict=True))
         out = self.backend.run(self.graph, feeds)
@@ -132,7 +131,7 @@ class TargetRunner:
     def _fused(self, batch: StepBatch, first_row: int, last_only: bool, longest: int) -> TargetOutput:
         """Decode steps (rows 0..R-1, width W) reuse one binding per (R, W), made the first time;
         prefills, whose widths are the prompts', bind afresh (and are not kept: a long one has buffers of
-        its own), as do steps too wide for the buffers."""
+        its own), as do steps too wide for the buffers. `longest`: max(batch.starts), as `forward` has it."""
         key = (batch.rows, batch.width, last_only)
         call = self._bound.get(key) if first_row == 0 else None
         if call is None:
@@ -144,7 +143,7 @@ class TargetRunner:
             call.feeds["logits_rows"][:, 0] = batch.counts - 1
         call.feeds["input_ids"][...] = batch.ids
         call.feeds["seqlens_k"][...] = batch.starts + batch.width - 1
-        call.feeds["total_sequence_length"][...] = longest + batch.width  # longest: max(starts)
+        call.feeds["total_sequence_length"][...] = longest + batch.width
         call.call.run()
         return call.output
 

@@ -173,12 +173,13 @@ def _shapes(module_factory: Callable[[], torch.nn.Module]) -> dict[str, tuple[in
 def target_tensors(config: dict[str, Any], drafter_ids: list[int]) -> dict[str, tuple[int, ...]]:
     """Hugging Face names and shapes of the target's weights (no lm_head when tied)."""
     from dspark.models import TargetConfig, TargetModel
+    from dspark.models.target import HF_PREFIXES
 
     parsed = TargetConfig.from_dict(config)
     shapes = _shapes(lambda: TargetModel(parsed, tuple(drafter_ids)))
     if parsed.tie_word_embeddings:
         shapes.pop("lm_head.weight")
-    prefix = "model.language_model." if config["model_type"] == "gemma4" else "model."
+    prefix = HF_PREFIXES[0] if config["model_type"] == "gemma4" else HF_PREFIXES[-1]  # as transformers saves them
     return {(k if k.startswith("lm_head") else prefix + k): v for k, v in shapes.items()}
 
 
