@@ -86,10 +86,11 @@ def measure_table(
 
 def _draft_seconds(run: RunGraph, specs: Mapping[str, C.GraphSpec], batch: int, vocab_size: int,
                    block: int, past: int, warmup: int, repeats: int) -> float:
-    graph = C.BACKBONE_FUSED if C.BACKBONE_FUSED in specs else C.BACKBONE  # what the runtime drafts with
+    # what the runtime drafts a greedy batch with: the joined graph (one call), else the backbone and the heads
+    graph = next(g for g in (C.DRAFT_GREEDY_FUSED, C.BACKBONE_FUSED, C.BACKBONE) if g in specs)
     backbone = random_feeds(specs[graph], drafter_sizes(batch, block, past), vocab_size=vocab_size)
     head = None
-    if C.HEAD_GREEDY in specs:
+    if C.HEAD_GREEDY in specs and graph != C.DRAFT_GREEDY_FUSED:
         head = random_feeds(specs[C.HEAD_GREEDY], {"batch": batch}, vocab_size=vocab_size)
 
     def call() -> None:

@@ -69,6 +69,12 @@ scalar) = max_b(cached_b) + context_tokens, as for the fused target. The block a
 `context_lengths[b]` - 1 (int64: cached_b + the row's real new rows; padding rows are written but never
 seen) and to the whole block, with no mask input.
 
+Drafting at temperature 0, fused (`drafter_draft_greedy_fused.onnx`, built by `fused_draft_greedy.py` by joining
+the fused backbone to `drafter_head_greedy.onnx`): the fused backbone's inputs plus `anchor_ids` -> the greedy head's
+`draft_ids` and `confidence_logits`, and the context buffers as above; the block's hidden states and base
+logits stay inside the graph, and the corrected logits are not returned (greedy verification never reads
+them). One call drafts an all-greedy batch.
+
 Drafter heads: `drafter_head_step.onnx` runs one block slot (any sampling: the runtime samples
 from the returned corrected logits, so draft probabilities are exact) and
 `drafter_head_greedy.onnx` runs the whole block at temperature 0 in one call (argmax feeds the
@@ -91,6 +97,7 @@ BACKBONE = "drafter_backbone"
 BACKBONE_FUSED = "drafter_backbone_fused"
 HEAD_STEP = "drafter_head_step"
 HEAD_GREEDY = "drafter_head_greedy"
+DRAFT_GREEDY_FUSED = "drafter_draft_greedy_fused"
 # how the runtime holds the target's keys/values -> the target graph that mode drives
 KV_MODE_GRAPHS = {"fused": TARGET_FUSED, "static": TARGET_STATIC, "concat": TARGET}
 
@@ -266,6 +273,17 @@ def backbone_fused_spec(config: DrafterConfig, placement: Placement, dtype: str)
             *_kv("past_context", config, "capacity", dtype),
         ),
         outputs=(*outputs, *_kv("present_context", config, "capacity", dtype)),
+    )
+
+
+def draft_greedy_fused_spec(config: DrafterConfig, placement: Placement, dtype: str) -> GraphSpec:
+    """`drafter_draft_greedy_fused.onnx`: the fused backbone and the greedy heads in one graph."""
+    backbone, heads = backbone_fused_spec(config, placement, dtype), head_greedy_spec(config, placement, dtype)
+    return GraphSpec(
+        DRAFT_GREEDY_FUSED,
+        inputs=(*backbone.inputs, *(t for t in heads.inputs if t.name == "anchor_ids")),
+        outputs=(*(t for t in heads.outputs if t.name != "logits"),
+                 *(t for t in backbone.outputs if t.name.startswith("present_context"))),
     )
 
 

@@ -1,8 +1,10 @@
-"""Parity of `drafter_backbone_fused.onnx` against `DSparkDrafter.forward_backbone`, driven as the runtime drives it.
+"""Parity of `drafter_backbone_fused.onnx` against `DSparkDrafter.forward_backbone`, driven as the runtime drives it,
+and of `drafter_draft_greedy_fused.onnx` against the same backbone followed by the greedy heads.
 
 Three rows share one context buffer per layer and kind (bound as past and present): each step feeds every row
-its new context rows (right-padded to the step's widest) and its block, then checks each row's block_hidden,
-base_logits and context slots against the PyTorch backbone run on that row's whole context so far.
+its new context rows (right-padded to the step's widest) and its block, then checks each row's outputs
+(block_hidden and base_logits, or draft_ids and confidence_logits) and context slots against the PyTorch
+drafter run on that row's whole context so far. Draft ids must be equal.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import torch
 from dspark.models import DSparkDrafter
 
 from . import contract as C
+from .drafter_graphs import HeadGreedyGraph
 from .fused_parity import TOLERANCE
 
 NEW_ROWS = ((12, 5, 9), (3, 1, 8), (1, 2, 1))  # new context rows per row and step: a prompt, then decode steps
@@ -22,8 +25,8 @@ CAPACITY = 64
 
 def fused_backbone_parity(session: ort.InferenceSession, spec: C.GraphSpec, drafter: DSparkDrafter, dtype: str,
                           seed: int = 0) -> dict:
-    """Max |diff| of block_hidden, base_logits and the written context slots, and whether every element passed
-    atol = rtol = TOLERANCE[dtype] (`drafter`: a float32 model)."""
+    """Max |diff| of the graph's float outputs and the written context slots, and whether every element passed
+    atol = rtol = TOLERANCE[dtype] and every draft id is the PyTorch heads' (`drafter`: a float32 model)."""
     c, tol, rng = drafter.config, TOLERANCE[dtype], np.random.default_rng(seed)
     float_type = np.float32 if dtype == "float32" else np.float16
     rows, gamma = len(NEW_ROWS[0]), c.block_size
@@ -36,13 +39,15 @@ def fused_backbone_parity(session: ort.InferenceSession, spec: C.GraphSpec, draf
         keep.append(value)
         binding.bind_ortvalue_input(name, value)
         binding.bind_ortvalue_output(name.replace("past_", "present_"), value)
-    got = {name: np.zeros((rows, *outputs[name].dims[1:]), float_type) for name in ("block_hidden", "base_logits")
-           if name in outputs}
+    got = {name: np.zeros((rows, *outputs[name].dims[1:]), np.int64 if name == "draft_ids" else float_type)
+           for name in ("block_hidden", "base_logits", "draft_ids", "confidence_logits") if name in outputs}
+    heads = HeadGreedyGraph(drafter, C.Placement(lm_head_in_backbone=True)) if "draft_ids" in outputs else None
     for name, array in got.items():
         value = ort.OrtValue.ortvalue_from_numpy(array)
         keep.append(value)
         binding.bind_ortvalue_output(name, value)
-    worst = {"block_hidden": 0.0, "base_logits": 0.0, "present_context": 0.0}
+    worst = {**dict.fromkeys((name for name in got if name != "draft_ids"), 0.0), "present_context": 0.0}
+    wrong_ids = 0
     passed = True
 
     def check(name: str, got: np.ndarray, want: torch.Tensor) -> None:
@@ -68,6 +73,8 @@ def fused_backbone_parity(session: ort.InferenceSession, spec: C.GraphSpec, draf
                  "seqlens_k": (cached + width - 1).astype(np.int32),
                  "total_sequence_length": np.array(cached.max() + width, np.int32),
                  "context_lengths": lengths.astype(np.int64)}
+        if heads is not None:
+            feeds["anchor_ids"] = block[:, 0].copy()
         for name, value in feeds.items():
             binding.bind_cpu_input(name, value)
         session.run_with_iobinding(binding)
@@ -77,11 +84,20 @@ def fused_backbone_parity(session: ort.InferenceSession, spec: C.GraphSpec, draf
                                                block_position_ids=torch.from_numpy(positions[r : r + 1]),
                                                context_features=torch.from_numpy(features[r])[None],
                                                context_position_ids=torch.arange(lengths[r])[None])
-                check("block_hidden", got["block_hidden"][r], ref.hidden[0])
+                if heads is None:
+                    check("block_hidden", got["block_hidden"][r], ref.hidden[0])
                 if "base_logits" in outputs:
                     check("base_logits", got["base_logits"][r], drafter.base_logits(ref.hidden)[0])
+                if heads is not None:
+                    _, ids, *confidence = heads(ref.hidden, drafter.base_logits(ref.hidden),
+                                                torch.from_numpy(block[r : r + 1, 0]))
+                    wrong_ids += int((got["draft_ids"][r] != ids[0].numpy()).sum())
+                    if confidence:
+                        check("confidence_logits", got["confidence_logits"][r], confidence[0][0])
             for i, (key, value) in enumerate(ref.present_context):
                 check("present_context", buffers[2 * i][r, :, : lengths[r]], key[0])
                 check("present_context", buffers[2 * i + 1][r, :, : lengths[r]], value[0])
-    return {"max_abs_diff": worst, "tolerance": tol, "passed": passed,
+    if heads is not None:
+        worst["draft_ids_wrong"] = wrong_ids
+    return {"max_abs_diff": worst, "tolerance": tol, "passed": passed and not wrong_ids,
             "cases": [f"rows {rows}, new context rows {list(counts)}" for counts in NEW_ROWS]}

@@ -28,6 +28,7 @@ from . import contract as C
 from . import feeds as F
 from . import parity as P
 from .drafter_graphs import BackboneGraph, HeadGreedyGraph, HeadStepGraph
+from .fused_draft_greedy import check_joinable, export_draft_greedy_fused
 from .fused_drafter import check_fusable_drafter, export_fused_backbone
 from .fused_drafter_parity import fused_backbone_parity
 from .fused_parity import fused_parity
@@ -104,8 +105,8 @@ def graph_jobs(
 
 
 # "plain": the traced graphs every runtime path needs (always exported). "fused": also
-# `target_fused.onnx`, `target_fused_tree.onnx` (ONNX Runtime contrib ops, see fused_target.py) and
-# `drafter_backbone_fused.onnx` (fused_drafter.py),
+# `target_fused.onnx`, `target_fused_tree.onnx` (ONNX Runtime contrib ops, see fused_target.py),
+# `drafter_backbone_fused.onnx` (fused_drafter.py) and `drafter_draft_greedy_fused.onnx` (fused_draft_greedy.py),
 # each kept only if it passes parity. Both by default: the ONNX Runtime runtime drives the fused
 # target where it exists; TensorRT and other runtimes use the plain graphs.
 FLAVOURS = ("plain", "fused")
@@ -151,10 +152,10 @@ def export_pair(
 ) -> dict[str, Any]:
     """Export every graph of the pair into `out_dir` and write `export.json`; returns the manifest.
 
-    `flavours` "fused" (default) adds `target_fused.onnx`, `target_fused_tree.onnx` and
-    `drafter_backbone_fused.onnx` (ONNX Runtime fused ops), each kept only if its model fits it and, with
-    `check`, it passes its parity sweep; otherwise it is left out and the reason recorded under
-    `dropped_graphs`. Each graph entry records its `flavour`.
+    `flavours` "fused" (default) adds `target_fused.onnx`, `target_fused_tree.onnx`,
+    `drafter_backbone_fused.onnx` and `drafter_draft_greedy_fused.onnx` (ONNX Runtime fused ops), each kept
+    only if its model fits it and, with `check`, it passes its parity sweep; otherwise it is left out and the
+    reason recorded under `dropped_graphs`. Each graph entry records its `flavour`.
 
     Raises CheckpointError (missing/corrupt files, unsupported architecture),
     IncompatibleDrafterError (drafter not made for this target) or ExportError (bad options).
@@ -236,8 +237,8 @@ class FusedGraph:
 
 def fused_graphs(target: TargetModel, drafter: DSparkDrafter, dtype: str, opset: int, out_dir: Path,
                  external_data_threshold: int) -> list[FusedGraph]:
-    """`target_fused`, `target_fused_tree` and `drafter_backbone_fused` (parity against float32 models: see
-    fused_parity.TOLERANCE)."""
+    """`target_fused`, `target_fused_tree`, `drafter_backbone_fused` and `drafter_draft_greedy_fused`, in the order
+    they are written (parity against float32 models: see fused_parity.TOLERANCE)."""
     out: list[FusedGraph] = []
     reference = target if dtype == "float32" else copy.deepcopy(target).float()
     for tree in (False, True):
@@ -254,6 +255,10 @@ def fused_graphs(target: TargetModel, drafter: DSparkDrafter, dtype: str, opset:
         lambda: export_fused_backbone(drafter, DEFAULT_PLACEMENT, out_dir, dtype, opset=opset,
                                       max_positions=target.config.max_position_embeddings,
                                       external_data_threshold=external_data_threshold),
+        lambda sess, spec=spec: fused_backbone_parity(sess, spec, drafter_reference, dtype)))
+    spec = C.draft_greedy_fused_spec(drafter.config, DEFAULT_PLACEMENT, dtype)  # joins the graph above to the heads
+    out.append(FusedGraph(
+        spec, lambda: check_joinable(out_dir), lambda spec=spec: export_draft_greedy_fused(out_dir, spec),
         lambda sess, spec=spec: fused_backbone_parity(sess, spec, drafter_reference, dtype)))
     return out
 

@@ -259,12 +259,14 @@ class BatchEngine(EngineRequests):
         active, rows = self.active, len(self.active)
         every = len(drafting) == rows
         out = self.drafter.draft(anchors[drafting], starts[drafting], [active[r].take_context() for r in drafting],
-                                 None if every else drafting)
+                                 None if every else drafting, greedy=not any(temperatures[r] for r in drafting))
         begin = _phase(seconds, "draft", begin)
         order = drafting[out.order]  # the active row of each drafted row
-        block = self.drafter.propose(out.hidden, out.base_logits, anchors[order], [temperatures[r] for r in order],
-                                     [generators[r] for r in order])
-        _phase(seconds, "heads", begin)
+        block = out.block  # drafted in the backbone's call (the joined graph), else by the heads now
+        if block is None:
+            block = self.drafter.propose(out.hidden, out.base_logits, anchors[order], [temperatures[r] for r in order],
+                                         [generators[r] for r in order])
+            _phase(seconds, "heads", begin)
         if every and (order == drafting).all():
             return block
         return scatter_block(block, order, rows, temperatures)

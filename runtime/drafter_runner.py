@@ -22,6 +22,10 @@ as the graph's context buffers, which it appends to in place: one binding per (f
 context rows, output row), made once and refilled, and no cache copied in or out. Other calls (rows
 drafting apart from a gather, a device cache, slots too full for the padded new rows) take the plain
 backbone.
+
+An all-greedy batch on the fused path drafts in one call when the export has the joined graph
+(`drafter_draft_greedy_fused.onnx`: the fused backbone and the greedy heads): `draft(greedy=True)` then
+returns the block itself, and `propose` is not called.
 """
 
 from __future__ import annotations
@@ -46,6 +50,9 @@ CONTEXT_ROW_COST = 0.025  # one context row beyond a normal step's, as a fractio
 CALL_ROWS = 2.0  # a backbone call's fixed cost, in rows of drafting
 
 
+_BLOCK_GRAPHS = (C.BACKBONE, C.HEAD_GREEDY, C.DRAFT_GREEDY_FUSED)  # graphs whose block outputs `_buffers` hold
+
+
 def split_calls(counts: np.ndarray) -> list[np.ndarray]:  # counts [k] context rows per row
     """Positions 0..k-1 grouped into backbone calls, in output order: one call (positions in
     order) unless putting the rows with the longest backlogs in a second call costs less than
@@ -65,11 +72,13 @@ def split_calls(counts: np.ndarray) -> list[np.ndarray]:  # counts [k] context r
 
 @dataclass
 class Drafted:
-    """The backbone's block outputs for the rows drafted, k = rows, in `order`."""
+    """The backbone's block outputs for the rows drafted, k = rows, in `order`; or, from the joined graph, the
+    drafted block itself (hidden and base logits stayed inside it)."""
 
-    hidden: np.ndarray  # [k, γ, H]
+    hidden: np.ndarray | None  # [k, γ, H]
     base_logits: np.ndarray | None  # [k, γ, V]
     order: np.ndarray  # [k] output row i is the caller's row order[i] (identity unless calls were split)
+    block: DraftBlock | None = None  # the greedy draft, when the heads ran in the backbone's call
 
 
 class DrafterRunner:
@@ -79,15 +88,16 @@ class DrafterRunner:
         # head reads the backbone's straight from them, nothing is copied out of ONNX Runtime
         rows, dtype = kv.lengths.shape[0], kv.dtype
         self._buffers = {t.name: np.empty(rows * int(np.prod(t.dims[1:])), dtype if t.dtype != "int64" else np.int64)
-                         for graph in (C.BACKBONE, C.HEAD_GREEDY) if graph in backend.specs
+                         for graph in _BLOCK_GRAPHS if graph in backend.specs
                          for t in backend.specs[graph].outputs if t.dims[0] == "batch" and "present" not in t.name}
         self._greedy_heads: dict[int, tuple[BoundCall, dict[str, np.ndarray], dict[str, np.ndarray]]] = {}
         # graph -> (name, elements per row, row shape) of each block output held in `_buffers`
         self._views = {graph: [(t.name, int(np.prod(t.dims[1:])), tuple(t.dims[1:]))
                                for t in backend.specs[graph].outputs if t.name in self._buffers]
-                       for graph in (C.BACKBONE, C.HEAD_GREEDY) if graph in backend.specs}
+                       for graph in _BLOCK_GRAPHS if graph in backend.specs}
         self.fused = C.BACKBONE_FUSED in backend.specs and kv.device is None
-        self._fused_calls: dict[tuple[int, int, int, int], tuple[BoundCall, dict[str, np.ndarray]]] = {}
+        self.joined = C.DRAFT_GREEDY_FUSED in backend.specs and info.has_heads  # on the fused path only
+        self._fused_calls: dict[tuple[int, int, int, int, bool], tuple[BoundCall, dict[str, np.ndarray]]] = {}
         self.bindings_made = 0  # graph layouts bound so far: a call that binds one runs cold (live_cost.warm_record)
 
     def draft(
@@ -96,31 +106,39 @@ class DrafterRunner:
         starts: np.ndarray,  # [k] anchor positions
         pending: Sequence[Sequence[np.ndarray]],  # per request: [n, F] context chunks not yet seen
         rows: np.ndarray | None = None,  # [k] their slot rows (None: 0..k-1)
+        greedy: bool = False,  # every row drafts at temperature 0: the joined graph may draft in this call
     ) -> Drafted:
         """Backbone forward for the given slot rows -> block_hidden [k, γ, H], base_logits [k, γ, V]
-        (or None), in `order` (the caller's order unless rows with long backlogs ran apart)."""
+        (or None), in `order` (the caller's order unless rows with long backlogs ran apart); or the greedy
+        block itself (`Drafted.block`) when the joined graph drafted it."""
         k = len(anchors)
         slots = np.arange(k) if rows is None else np.asarray(rows, dtype=np.int64)
         counts = np.array([sum(len(c) for c in chunks) for chunks in pending], dtype=np.int64)
         calls = split_calls(counts)
+        joined = greedy and self.joined and len(calls) == 1
         first = 0
         for call in calls:
-            self._backbone(anchors[call], starts[call], [pending[i] for i in call], counts[call], slots[call], first)
+            joined = self._backbone(anchors[call], starts[call], [pending[i] for i in call], counts[call],
+                                    slots[call], first, joined)
             first += len(call)
-        outputs = self._outputs(C.BACKBONE, k)
         order = calls[0] if len(calls) == 1 else np.concatenate(calls)
+        if joined:
+            heads = self._outputs(C.DRAFT_GREEDY_FUSED, k)
+            return Drafted(None, None, order, DraftBlock(heads["draft_ids"], None, heads.get("confidence_logits")))
+        outputs = self._outputs(C.BACKBONE, k)
         return Drafted(outputs["block_hidden"], outputs.get("base_logits"), order)
 
     def _backbone(self, anchors: np.ndarray, starts: np.ndarray, pending: Sequence[Sequence[np.ndarray]],
-                  counts: np.ndarray, slots: np.ndarray, first: int) -> None:
-        """One backbone call over slot rows `slots`; its block outputs land in rows first.. of the buffers."""
+                  counts: np.ndarray, slots: np.ndarray, first: int, joined: bool = False) -> bool:
+        """One backbone call over slot rows `slots`; its block outputs land in rows first.. of the buffers.
+        `joined`: draft through the joined graph if this call takes the fused path; returns whether it did."""
         rows, gamma, dtype = len(anchors), self.info.block_size, self.kv.dtype
         contiguous = rows == 1 or bool(slots[-1] - slots[0] == rows - 1 and (np.diff(slots) == 1).all())
         cached = self.kv.lengths[slots]
         width = max(int(counts.max()), 1)  # new context rows, padded: every row's are written, only its own count
         if self.fused and contiguous and int(cached.max()) + width <= self.kv.max_len:
-            self._backbone_fused(anchors, starts, pending, counts, int(slots[0]), first, cached, width)
-            return
+            self._backbone_fused(anchors, starts, pending, counts, int(slots[0]), first, cached, width, joined)
+            return joined
         past, ctx = int(cached.max()), int(counts.max())
         features = np.zeros((rows, ctx, self.info.context_feature_size), dtype)
         which = np.repeat(np.arange(rows), counts)
@@ -160,13 +178,16 @@ class DrafterRunner:
             self.kv.write(pairs, source_offset=past, counts=counts, first_row=int(slots[0]))
         else:
             self._write_slots(pairs, past, counts, slots)
+        return False
 
     def _backbone_fused(self, anchors: np.ndarray, starts: np.ndarray, pending: Sequence[Sequence[np.ndarray]],
-                        counts: np.ndarray, slot: int, first: int, cached: np.ndarray, width: int) -> None:
+                        counts: np.ndarray, slot: int, first: int, cached: np.ndarray, width: int,
+                        joined: bool) -> None:
         """The fused backbone over slot rows slot .. slot + k - 1 (module docstring); their new keys/values
-        land in their slots at cached .. cached + width - 1, of which the first counts[r] are counted."""
+        land in their slots at cached .. cached + width - 1, of which the first counts[r] are counted. `joined`:
+        the joined graph, whose greedy block lands in the heads' buffers."""
         rows, gamma = len(anchors), self.info.block_size
-        key = (slot, rows, width, first)
+        key = (slot, rows, width, first, joined)
         bound = self._fused_calls.get(key)
         if bound is None:
             if len(self._fused_calls) >= MAX_FUSED_BINDINGS:
@@ -176,14 +197,19 @@ class DrafterRunner:
                      "context_features": np.zeros((rows, width, self.info.context_feature_size), self.kv.dtype),
                      "seqlens_k": np.zeros(rows, np.int32), "total_sequence_length": np.zeros((), np.int32),
                      "context_lengths": np.zeros(rows, np.int64)}
+            if joined:
+                feeds["anchor_ids"] = np.zeros(rows, np.int64)
             layers = [buf[slot : slot + rows] for buf in self.kv.kv]  # contiguous slot rows, bound in place
             feeds.update(zip(C.kv_names("past_context", len(layers) // 2), layers, strict=True))
-            outputs = self._outputs(C.BACKBONE, rows, first)
+            graph = C.DRAFT_GREEDY_FUSED if joined else C.BACKBONE_FUSED
+            outputs = self._outputs(C.DRAFT_GREEDY_FUSED if joined else C.BACKBONE, rows, first)
             outputs.update(zip(C.kv_names("present_context", len(layers) // 2), layers, strict=True))
-            bound = self._fused_calls[key] = (self.backend.bind(C.BACKBONE_FUSED, feeds, outputs), feeds)
+            bound = self._fused_calls[key] = (self.backend.bind(graph, feeds, outputs), feeds)
             self.bindings_made += 1
         call, feeds = bound
         feeds["block_ids"][:, 0] = anchors
+        if joined:
+            feeds["anchor_ids"][...] = anchors
         feeds["block_position_ids"][...] = starts[:, None] + np.arange(gamma)
         features = feeds["context_features"]
         if rows <= FILL_BY_ROW:  # a few rows: slice copies beat building the scatter's indices

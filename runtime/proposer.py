@@ -23,7 +23,7 @@ class DraftBlock:
     """B = batch, γ = block size, V = vocab."""
 
     tokens: torch.Tensor  # [B, γ] draft token of each slot (slot k predicts position start+k+1)
-    logits: torch.Tensor  # [B, γ, V] Markov-corrected logits each token was drawn from
+    logits: torch.Tensor | None  # [B, γ, V] Markov-corrected logits each token was drawn from (None: all greedy)
     confidence_logits: torch.Tensor | None  # [B, γ] pre-sigmoid survival logits, or None
 
 

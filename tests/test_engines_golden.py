@@ -105,8 +105,8 @@ def test_profiler_records_what_it_measured(export_dir, monkeypatch):
         return fake_seconds(calls[first:])
 
     def fake_seconds(made) -> float:
-        if made[0][0] in (C.BACKBONE, C.BACKBONE_FUSED):  # drafting: the backbone the runtime uses, the greedy head
-            assert [g for g, _ in made] == [C.BACKBONE_FUSED, C.HEAD_GREEDY]
+        if made[0][0] in (C.BACKBONE, C.BACKBONE_FUSED, C.DRAFT_GREEDY_FUSED):  # drafting as the runtime drafts
+            assert [g for g, _ in made] == [C.DRAFT_GREEDY_FUSED]  # a greedy batch: backbone and heads in one call
             return 1e-2 * made[0][1]["block_ids"][0]
         ((graph, shapes),) = made
         rows, tokens = shapes["input_ids"]
