@@ -321,8 +321,9 @@ def test_external_data_and_refusals(tmp_path):
 
 
 def test_export_pair_fused_flavour(tmp_path):
-    """export_pair(flavours=("plain", "fused")) adds target_fused.onnx, target_fused_tree.onnx and
-    drafter_backbone_fused.onnx with their parity; the plain graphs each record flavour "plain"."""
+    """export_pair(flavours=("plain", "fused")) adds target_fused.onnx, target_fused_tree.onnx,
+    drafter_backbone_fused.onnx and drafter_draft_greedy_fused.onnx with their parity; the plain graphs each
+    record flavour "plain"."""
     from dspark.export.manifest import read_manifest
     from dspark.export.pipeline import export_pair
 
@@ -331,10 +332,10 @@ def test_export_pair_fused_flavour(tmp_path):
     assert read_manifest(tmp_path, verify="sha256")["graphs"]["target_fused"]["flavour"] == "fused"
     flavours = {name: entry["flavour"] for name, entry in manifest["graphs"].items()}
     assert flavours.pop("target_fused") == flavours.pop("target_fused_tree") == "fused"
-    assert flavours.pop("drafter_backbone_fused") == "fused"
+    assert flavours.pop("drafter_backbone_fused") == flavours.pop("drafter_draft_greedy_fused") == "fused"
     assert set(flavours.values()) == {"plain"}
     assert manifest["dropped_graphs"] == {} and manifest["flavours"] == ["plain", "fused"]
-    for name in ("target_fused", "target_fused_tree", "drafter_backbone_fused"):
+    for name in ("target_fused", "target_fused_tree", "drafter_backbone_fused", "drafter_draft_greedy_fused"):
         parity = manifest["parity"][name]
         print(f"\n{name} parity: {parity}")
         assert parity["passed"] and max(parity["max_abs_diff"].values()) <= ATOL

@@ -43,10 +43,10 @@ def draft_factor(monkeypatch, catch_up_delay: float) -> float:
     engine, _ = engine_for(live, slots=1)
     draft = engine.drafter.draft
 
-    def slow_catch_up(anchors, starts, pending, rows=None):
+    def slow_catch_up(anchors, starts, pending, rows=None, greedy=False):
         if max(sum(len(c) for c in chunks) for chunks in pending) > GAMMA + 1:
             time.sleep(catch_up_delay)
-        return draft(anchors, starts, pending, rows)
+        return draft(anchors, starts, pending, rows, greedy=greedy)
 
     monkeypatch.setattr(engine.drafter, "draft", slow_catch_up)
     asked = run(engine, {0: list(prompts()) * 2}, 3)
