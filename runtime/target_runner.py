@@ -19,6 +19,7 @@ call overwrites them.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
@@ -34,6 +35,10 @@ from .step_batch import StepBatch
 
 GRAPHS = C.KV_MODE_GRAPHS
 KV_MODES = tuple(GRAPHS)
+# prefill layouts (rows, prompt width, first row) kept bound, least recently used out first, while the arrays
+# they own beyond the shared buffers (ids, features of prompts wider than those) stay under this many bytes:
+# binding a prefill was most of its host time (0.4 ms of 0.57 a request, demo engine, one request at a time)
+PREFILL_BINDING_BYTES = 32 << 20
 
 
 @dataclass
@@ -85,6 +90,8 @@ class TargetRunner:
         self._greedy = np.empty(self._max_tokens, np.int64) if "greedy_ids" in outputs else None
         self._feature_buf = np.empty(self._max_tokens * self._features, dtype)
         self._bound: dict[tuple[int, int, bool], _FusedCall] = {}  # decode steps' (rows, width, last_only)
+        self._prefills: OrderedDict[tuple[int, int, int], tuple[_FusedCall, int]] = OrderedDict()  # -> (call, bytes)
+        self._prefill_bytes = 0
         # True for fused graphs from exports since `logits_rows`: logits only where asked (a prefill: its last
         # positions); False: the graph makes them everywhere and forward(last_only=True) picks them out
         self.selects_logits: bool = any(t.name == "logits_rows" for t in backend.specs[self.graph].inputs)
@@ -129,11 +136,13 @@ class TargetRunner:
         return TargetOutput(as_numpy(logits), as_numpy(out["context_features"]))
 
     def _fused(self, batch: StepBatch, first_row: int, last_only: bool, longest: int) -> TargetOutput:
-        """Decode steps (rows 0..R-1, width W) reuse one binding per (R, W), made the first time;
-        prefills, whose widths are the prompts', bind afresh (and are not kept: a long one has buffers of
-        its own), as do steps too wide for the buffers. `longest`: max(batch.starts), as `forward` has it."""
+        """Decode steps (rows 0..R-1, width W) reuse one binding per (R, W), made the first time; prefills,
+        whose widths are the prompts', reuse theirs while they fit `PREFILL_BINDING_BYTES`; steps too wide for
+        the buffers bind afresh. `longest`: max(batch.starts), as `forward` has it."""
         key = (batch.rows, batch.width, last_only)
         call = self._bound.get(key) if first_row == 0 else None
+        if call is None and last_only:
+            call = self._prefill_call(batch.rows, batch.width, first_row)
         if call is None:
             call = self._bind_fused(batch.rows, batch.width, first_row, last_only)
             if first_row == 0 and batch.width <= self._max_width and batch.rows * batch.width <= self._max_tokens:
@@ -146,6 +155,25 @@ class TargetRunner:
         call.feeds["total_sequence_length"][...] = longest + batch.width
         call.call.run()
         return call.output
+
+    def _prefill_call(self, rows: int, width: int, first_row: int) -> _FusedCall | None:
+        """A prefill's binding over slot rows first_row.. at this prompt width: kept, or made and kept (least
+        recently used ones dropped to stay under PREFILL_BINDING_BYTES); None when it alone is over that."""
+        key = (rows, width, first_row)
+        kept = self._prefills.get(key)
+        if kept is not None:
+            self._prefills.move_to_end(key)
+            return kept[0]
+        call = self._bind_fused(rows, width, first_row, True)
+        shared = [b for b in (self._logits, self._feature_buf, self._greedy, *self.kv.kv) if b is not None]
+        owned = sum(a.nbytes for a in (*call.feeds.values(), *vars(call.output).values())
+                    if a is not None and not any(np.may_share_memory(a, b) for b in shared))
+        if owned > PREFILL_BINDING_BYTES:
+            return call
+        while self._prefills and self._prefill_bytes + owned > PREFILL_BINDING_BYTES:
+            self._prefill_bytes -= self._prefills.popitem(last=False)[1][1]
+        self._prefills[key], self._prefill_bytes = (call, owned), self._prefill_bytes + owned
+        return call
 
     def _bind_fused(self, rows: int, width: int, first_row: int, last_only: bool) -> _FusedCall:
         k = 1 if last_only else width  # logits per row
