@@ -39,6 +39,7 @@ KV_MODES = tuple(GRAPHS)
 # they own beyond the shared buffers (ids, features of prompts wider than those) stay under this many bytes:
 # binding a prefill was most of its host time (0.4 ms of 0.57 a request, demo engine, one request at a time)
 PREFILL_BINDING_BYTES = 32 << 20
+PREFILL_BINDINGS = 64  # and at most this many (a binding holds ONNX Runtime objects of its own)
 
 
 @dataclass
@@ -158,7 +159,8 @@ class TargetRunner:
 
     def _prefill_call(self, rows: int, width: int, first_row: int) -> _FusedCall | None:
         """A prefill's binding over slot rows first_row.. at this prompt width: kept, or made and kept (least
-        recently used ones dropped to stay under PREFILL_BINDING_BYTES); None when it alone is over that."""
+        recently used ones dropped to stay under PREFILL_BINDING_BYTES and PREFILL_BINDINGS); made and not kept
+        when it alone is over the bytes."""
         key = (rows, width, first_row)
         kept = self._prefills.get(key)
         if kept is not None:
@@ -170,7 +172,8 @@ class TargetRunner:
                     if a is not None and not any(np.may_share_memory(a, b) for b in shared))
         if owned > PREFILL_BINDING_BYTES:
             return call
-        while self._prefills and self._prefill_bytes + owned > PREFILL_BINDING_BYTES:
+        while self._prefills and (self._prefill_bytes + owned > PREFILL_BINDING_BYTES
+                                  or len(self._prefills) >= PREFILL_BINDINGS):
             self._prefill_bytes -= self._prefills.popitem(last=False)[1][1]
         self._prefills[key], self._prefill_bytes = (call, owned), self._prefill_bytes + owned
         return call

@@ -85,3 +85,14 @@ def test_kept_bindings_stay_under_their_budget(backend, monkeypatch):
     assert made == [20, 24, 20]
     assert len(engine.target._prefills) == 1 and engine.target._prefill_bytes <= one
     assert got == _greedy(prompts, 6)
+
+
+def test_kept_bindings_are_counted_too(backend, monkeypatch):
+    """Narrow prompts own next to nothing: the count cap keeps their layouts from piling up."""
+    monkeypatch.setattr(target_runner, "PREFILL_BINDINGS", 2)
+    made = _prefill_binds(backend, monkeypatch)
+    engine, rng = _engine(backend), np.random.default_rng(2)
+    for n in (5, 6, 7, 5):
+        engine.submit(rng.integers(2, 500, n).tolist(), max_new_tokens=2)
+        engine.run_until_done()
+    assert made == [5, 6, 7, 5] and list(engine.target._prefills) == [(1, 7, 0), (1, 5, 0)]
