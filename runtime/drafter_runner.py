@@ -87,9 +87,11 @@ class DrafterRunner:
         # the block outputs of both graphs land in flat buffers sized once (max requests × γ); the
         # head reads the backbone's straight from them, nothing is copied out of ONNX Runtime
         rows, dtype = kv.lengths.shape[0], kv.dtype
-        self._buffers = {t.name: np.empty(rows * int(np.prod(t.dims[1:])), dtype if t.dtype != "int64" else np.int64)
-                         for graph in _BLOCK_GRAPHS if graph in backend.specs
+        # one buffer per output name: the joined graph's draft ids and confidences land where the heads' do
+        block_outputs = {t.name: t for graph in _BLOCK_GRAPHS if graph in backend.specs
                          for t in backend.specs[graph].outputs if t.dims[0] == "batch" and "present" not in t.name}
+        self._buffers = {name: np.empty(rows * int(np.prod(t.dims[1:])), dtype if t.dtype != "int64" else np.int64)
+                         for name, t in block_outputs.items()}
         self._greedy_heads: dict[int, tuple[BoundCall, dict[str, np.ndarray], dict[str, np.ndarray]]] = {}
         # graph -> (name, elements per row, row shape) of each block output held in `_buffers`
         self._views = {graph: [(t.name, int(np.prod(t.dims[1:])), tuple(t.dims[1:]))
@@ -201,8 +203,9 @@ class DrafterRunner:
                 feeds["anchor_ids"] = np.zeros(rows, np.int64)
             layers = [buf[slot : slot + rows] for buf in self.kv.kv]  # contiguous slot rows, bound in place
             feeds.update(zip(C.kv_names("past_context", len(layers) // 2), layers, strict=True))
-            graph = C.DRAFT_GREEDY_FUSED if joined else C.BACKBONE_FUSED
-            outputs = self._outputs(C.DRAFT_GREEDY_FUSED if joined else C.BACKBONE, rows, first)
+            # (graph, whose block outputs it writes): the fused backbone writes the plain backbone's
+            graph, written = (C.DRAFT_GREEDY_FUSED,) * 2 if joined else (C.BACKBONE_FUSED, C.BACKBONE)
+            outputs = self._outputs(written, rows, first)
             outputs.update(zip(C.kv_names("present_context", len(layers) // 2), layers, strict=True))
             bound = self._fused_calls[key] = (self.backend.bind(graph, feeds, outputs), feeds)
             self.bindings_made += 1

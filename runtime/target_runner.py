@@ -90,7 +90,7 @@ class TargetRunner:
         self._logits = np.empty(self._max_tokens * self._vocab, dtype)
         self._greedy = np.empty(self._max_tokens, np.int64) if "greedy_ids" in outputs else None
         self._feature_buf = np.empty(self._max_tokens * self._features, dtype)
-        self._bound: dict[tuple[int, int, bool], _FusedCall] = {}  # decode steps' (rows, width, last_only)
+        self._bound: dict[tuple[int, int], _FusedCall] = {}  # decode steps' (rows, width)
         self._prefills: OrderedDict[tuple[int, int, int], tuple[_FusedCall, int]] = OrderedDict()  # -> (call, bytes)
         self._prefill_bytes = 0
         # True for fused graphs from exports since `logits_rows`: logits only where asked (a prefill: its last
@@ -140,24 +140,24 @@ class TargetRunner:
         """Decode steps (rows 0..R-1, width W) reuse one binding per (R, W), made the first time; prefills,
         whose widths are the prompts', reuse theirs while they fit `PREFILL_BINDING_BYTES`; steps too wide for
         the buffers bind afresh. `longest`: max(batch.starts), as `forward` has it."""
-        key = (batch.rows, batch.width, last_only)
-        call = self._bound.get(key) if first_row == 0 else None
-        if call is None and last_only:
-            call = self._prefill_call(batch.rows, batch.width, first_row)
-        if call is None:
-            call = self._bind_fused(batch.rows, batch.width, first_row, last_only)
-            if first_row == 0 and batch.width <= self._max_width and batch.rows * batch.width <= self._max_tokens:
-                self._bound[key] = call
-                self.bindings_made += not last_only  # once: a layout bound afresh every time is its steady cost
         if last_only:
+            call = self._prefill_call(batch.rows, batch.width, first_row)
             call.feeds["logits_rows"][:, 0] = batch.counts - 1
+        else:
+            key = (batch.rows, batch.width)
+            call = self._bound.get(key) if first_row == 0 else None
+            if call is None:
+                call = self._bind_fused(batch.rows, batch.width, first_row, False)
+                if first_row == 0 and batch.width <= self._max_width and batch.rows * batch.width <= self._max_tokens:
+                    self._bound[key] = call
+                    self.bindings_made += 1  # once: a layout bound afresh every time is its steady cost
         call.feeds["input_ids"][...] = batch.ids
         call.feeds["seqlens_k"][...] = batch.starts + batch.width - 1
         call.feeds["total_sequence_length"][...] = longest + batch.width
         call.call.run()
         return call.output
 
-    def _prefill_call(self, rows: int, width: int, first_row: int) -> _FusedCall | None:
+    def _prefill_call(self, rows: int, width: int, first_row: int) -> _FusedCall:
         """A prefill's binding over slot rows first_row.. at this prompt width: kept, or made and kept (least
         recently used ones dropped to stay under PREFILL_BINDING_BYTES and PREFILL_BINDINGS); made and not kept
         when it alone is over the bytes."""

@@ -86,3 +86,18 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+def fixed_gamma_engine(backend, **drafter_flags):
+    """A `fixed` γ engine of four 96-position slots on an export's backend, its drafter runner's path flags set
+    (`fused`, `joined`): the engines that compare one drafting path with another."""
+    from dspark.runtime.batch_loop import BatchEngine
+    from dspark.runtime.capacity import Capacity
+    from dspark.runtime.model_info import ModelInfo
+    from dspark.runtime.prefix_scheduler import SchedulerConfig
+
+    engine = BatchEngine(backend, ModelInfo.from_manifest(backend.manifest), capacity=Capacity(4, 4 * 96, 96),
+                         scheduler=SchedulerConfig("fixed"))
+    for name, value in drafter_flags.items():
+        setattr(engine.drafter, name, value)
+    return engine

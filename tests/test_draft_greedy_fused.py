@@ -10,19 +10,16 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 import torch
-from conftest import golden_path
+from conftest import fixed_gamma_engine, golden_path
 
 from dspark.export import contract as C
 from dspark.export.fused_drafter_parity import fused_backbone_parity
 from dspark.export.pipeline import export_pair
 from dspark.models import load_pair
-from dspark.runtime.batch_loop import BatchEngine
-from dspark.runtime.capacity import Capacity
 from dspark.runtime.drafter_runner import DrafterRunner
 from dspark.runtime.kv_cache import SlotCache
 from dspark.runtime.model_info import ModelInfo
 from dspark.runtime.ort_backend import OrtBackend
-from dspark.runtime.prefix_scheduler import SchedulerConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -98,13 +95,6 @@ def test_the_runner_drafts_what_backbone_and_heads_draft(exports):
             np.testing.assert_allclose(got, want, atol=1e-5)
 
 
-def _engine(backend: OrtBackend, joined: bool) -> BatchEngine:
-    info = ModelInfo.from_manifest(backend.manifest)
-    engine = BatchEngine(backend, info, capacity=Capacity(4, 4 * 96, 96), scheduler=SchedulerConfig("fixed"))
-    engine.drafter.joined = joined
-    return engine
-
-
 def test_an_engine_drafts_greedy_steps_in_one_call(exports):
     """Five greedy requests through four slots, on the joined graph and on backbone + heads: every step the same
     drafts accepted and the same outputs; the joined engine never calls the heads, until a sampled request joins."""
@@ -112,7 +102,7 @@ def test_an_engine_drafts_greedy_steps_in_one_call(exports):
     rng = np.random.default_rng(0)
     requests = [(rng.integers(2, 500, n).tolist(), new) for n, new in ((3, 60), (30, 40), (7, 50), (18, 30), (11, 45))]
     with OrtBackend(out, intra_op_threads=1) as backend:
-        engines = [_engine(backend, joined) for joined in (True, False)]
+        engines = [fixed_gamma_engine(backend, joined=joined) for joined in (True, False)]
         calls = backend.times.seconds
         for engine in engines:
             for i, (prompt, new) in enumerate(requests):

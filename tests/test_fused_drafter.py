@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import onnxruntime as ort
 import pytest
-from conftest import golden_path, random_pair
+from conftest import fixed_gamma_engine, golden_path, random_pair
 
 from dspark.export import contract as C
 from dspark.export.fused_drafter import build_fused_backbone, check_fusable_drafter
@@ -16,13 +16,10 @@ from dspark.export.fused_drafter_parity import fused_backbone_parity
 from dspark.export.lower import ExportError
 from dspark.export.pipeline import DEFAULT_PLACEMENT, export_pair
 from dspark.models import load_pair
-from dspark.runtime.batch_loop import BatchEngine
-from dspark.runtime.capacity import Capacity
 from dspark.runtime.drafter_runner import DrafterRunner
 from dspark.runtime.kv_cache import SlotCache
 from dspark.runtime.model_info import ModelInfo
 from dspark.runtime.ort_backend import OrtBackend
-from dspark.runtime.prefix_scheduler import SchedulerConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -73,13 +70,6 @@ def backend(tmp_path_factory):
         yield opened
 
 
-def _engine(backend: OrtBackend, fused: bool) -> BatchEngine:
-    info = ModelInfo.from_manifest(backend.manifest)
-    engine = BatchEngine(backend, info, capacity=Capacity(4, 4 * 96, 96), scheduler=SchedulerConfig("fixed"))
-    engine.drafter.fused = fused
-    return engine
-
-
 def test_an_engine_drafts_the_same_through_the_fused_and_the_plain_backbone(backend):
     """Six requests through four slots (rows join, leave and move; prompts of 3..30 tokens catch up at once),
     greedy and sampled: every step proposes the same drafts and accepts the same counts on both backbones, and
@@ -87,7 +77,7 @@ def test_an_engine_drafts_the_same_through_the_fused_and_the_plain_backbone(back
     rng = np.random.default_rng(0)
     requests = [(rng.integers(2, 500, n).tolist(), new, t) for n, new, t in
                 ((3, 80, 0.0), (30, 40, 1.0), (7, 60, 0.0), (18, 50, 0.8), (11, 30, 0.0), (24, 45, 1.0))]
-    engines = [_engine(backend, fused) for fused in (True, False)]
+    engines = [fixed_gamma_engine(backend, fused=fused) for fused in (True, False)]
     for engine in engines:
         for i, (prompt, new, temperature) in enumerate(requests):
             engine.submit(prompt, max_new_tokens=new, temperature=temperature, seed=i)
