@@ -33,7 +33,7 @@ from .capacity import Admission, Capacity
 from .chain_verifier import verify_chains
 from .cost_model import StepCost, StepCostModel
 from .drafter_runner import DrafterRunner, scatter_block
-from .drafting_gate import DraftingGate, SplitStepCost
+from .drafting_gate import DraftingGate, GatePlan, SplitStepCost
 from .engine_requests import EngineRequests
 from .kv_cache import SlotCache
 from .kv_tiers import HostTier
@@ -159,6 +159,10 @@ class BatchEngine(EngineRequests):
             backlogs = np.fromiter((a.backlog for a in active), np.int64, rows)
             plan = self.gate.plan(backlogs)
             drafting = plan.rows
+            if not len(drafting) and not any(temperatures):  # declined, every row greedy: plain decoding
+                record = self._plain_step(len(new), seconds, begin)  # (the drafter's context rows kept)
+                self.gate.record(plan, None)
+                return self._finish(record, plan, bindings)
         # rows that copy instead, where every row drafts because it pays: a copy replaces a block worth drafting
         copies = (self.lookup.propose(active) if self.lookup is not None and len(drafting) == rows
                   and (plan is None or not plan.declined) else None)
@@ -222,10 +226,15 @@ class BatchEngine(EngineRequests):
             drafted=self.scheduler.needs_drafts and len(drafting) == rows,  # a probe's few rows: False
             copied_rows=() if copies is None else tuple(copies.rows.tolist()),
         )
+        return self._finish(record, plan, bindings)
+
+    def _finish(self, record: StepRecord, plan: GatePlan | None, bindings: tuple[int, int]) -> StepRecord:
+        """Record the step, let a live cost model learn from it (warm calls only: `bindings`, the runners'
+        binding counts before it), retire finished rows."""
         self.stats.record(record)
         observe = getattr(self.cost_model, "observe", None)
         if observe is not None:  # a live cost model learns the machine's current speed, from warm calls
-            learned = warm_record(record if plan is None else self.gate.observed(record, plan),
+            learned = warm_record(record if plan is None or not len(plan.rows) else self.gate.observed(record, plan),
                                   drafter_bound=self.drafter.bindings_made != bindings[0],
                                   target_bound=self.target.bindings_made != bindings[1])
             if learned is not None:
@@ -235,9 +244,10 @@ class BatchEngine(EngineRequests):
         return record
 
     def _plain_step(self, admitted: int, seconds: dict[str, float], begin: float) -> StepRecord:
-        """Plain greedy decoding (scheduler `off`, no row sampling): each row's anchor in, the target's
-        argmax out. The general step's tokens without its scheduling, chains and verifier: ~20 µs less
-        host work a step, 2-3 % of a demo-target step (a sampling row takes the general step)."""
+        """Plain greedy decoding (scheduler `off`, or a step the drafting gate declined; no row sampling): each
+        row's anchor in, the target's argmax out. The general step's tokens without its scheduling, chains and
+        verifier: ~20 µs less host work a step, 2-3 % of a demo-target step (a sampling row takes the general
+        step)."""
         active, rows = self.active, len(self.active)
         batch = StepBatch.anchors(np.fromiter((a.anchor for a in active), np.int64, rows),
                                   np.fromiter((a.start for a in active), np.int64, rows))
@@ -298,10 +308,9 @@ class BatchEngine(EngineRequests):
         gains the target's argmax; the drafter's context rows are kept where it may draft later."""
         greedy = out.logits[:, 0].argmax(axis=-1) if out.greedy_ids is None else out.greedy_ids[:, 0]
         self.target.commit(batch.counts)
-        if self.scheduler.needs_drafts:
-            context = out.context_features[: batch.rows, 0].copy()  # [R, F]: the buffer is the next step's
-            for r, a in enumerate(self.active):
-                a.add_context(context[r : r + 1])
+        if self.scheduler.needs_drafts:  # [R, 1, F]: the buffer is the next step's; a row's [1, F] by iteration
+            for a, context in zip(self.active, out.context_features[: batch.rows, :1].copy(), strict=True):
+                a.add_context(context)
         for a, token in zip(self.active, greedy.tolist(), strict=True):
             a.result.tokens.append(token)
             a.result.acceptance_lengths.append(1)

@@ -116,6 +116,7 @@ PAYS_MARGIN = 1.25  # Θ_draft ≥ this × Θ_plain: a clear "drafting pays", re
 SWITCH_MARGIN = 1.1  # from a decline to drafting every row, Θ_draft ≥ this × Θ_plain (module docstring)
 MAX_PROBE_BACKOFF = 8  # probes that keep finding drafting unprofitable come at most this many times rarer
 SLOW_DRAFTER = 1.5  # a live draft factor from which probes do not back off (a slowed drafter may recover)
+PROBE_SHARE = 0.05  # a probe of a few rows: its drafting at most this share of the plain steps until the next
 DRAFTING = ("draft", "heads")  # a step's phases that draft (StepRecord.seconds)
 DRAFTING_STEP = (*DRAFTING, "schedule")  # what a drafting step adds to a plain one (the live model's `drafting`)
 
@@ -191,6 +192,8 @@ class DraftingGate:
         # the last "drafting pays" by PAYS_MARGIN or more: (requests, Σ excess backlog, normal draft seconds)
         self._paying: tuple[int, int, float] | None = None
         self._paying_steps = 0
+        self._probe_seconds = 0.0  # what the last probe of a few rows took to draft (0.0: none yet)
+        self._probe_after: int | None = None  # steps without drafting before the next probe (None: to price)
 
     # -- the decision ---------------------------------------------------------------------------
     def plan(self, backlogs: np.ndarray) -> GatePlan:  # backlogs [R] context rows each row has not fed
@@ -216,14 +219,16 @@ class DraftingGate:
             self._declined, self._declined_steps = (requests, self.pool_version, excess, normal), 0
         self._drafting = False
         normal = self._declined[3]
-        if self.pool and self.skipped < self.probe_interval:
+        if self.pool and not self._probe_due(requests):
             return GatePlan(requests, every[:0], 0.0, normal, declined=True)
         if self.pool and getattr(self.cost, "draft_factor", 1.0) < SLOW_DRAFTER:  # (the first probe: no pool)
             self.probe_interval = min(2 * self.probe_interval, MAX_PROBE_BACKOFF * self.probe_every)
         probe_rows = min(self.probe_rows, (requests + 1) // 2)  # fewer than R where R > 1: anchors verify alone
         rows = every if requests <= probe_rows else np.sort(np.argsort(backlogs, kind="stable")[:probe_rows])
-        return GatePlan(requests, rows, self._price(backlogs[rows]), normal, int(self._excess(backlogs[rows]).sum()),
-                        declined=True)
+        price = self._price(backlogs[rows])
+        if len(rows) < requests:  # a probe of a few rows: the plain steps to the next pay for it (_probe_due)
+            self._probe_seconds, self._probe_after = price, None
+        return GatePlan(requests, rows, price, normal, int(self._excess(backlogs[rows]).sum()), declined=True)
 
     def narrowed(self, plan: GatePlan, rows: np.ndarray, backlogs: np.ndarray) -> GatePlan:
         """`plan` with only `rows` of its rows drafting (the others copy their drafts: prompt_lookup), priced
@@ -338,6 +343,23 @@ class DraftingGate:
             self.pool.extend(survivals[plan.rows])
             self._candidates = None
             self.pool_version += 1
+
+    def _probe_due(self, requests: int) -> bool:
+        """Whether a declined step probes: `probe_interval` steps without drafting, and, after a probe of a few
+        rows, plain steps that cost 1 / `PROBE_SHARE` times its price, its backlog's catch-up included (up to
+        the longest backoff; not while a live cost model finds the drafter slowed: probes are what sees it
+        recover). The doubling backoff counts probes, not their cost: a probe of one row that catches up a
+        17-54-row backlog took 2.1-2.7 ms beside a 0.9 ms plain step of 4 requests (demo engine), so probes
+        every 16-32 steps cost those runs ~7 % (module docstring, probes)."""
+        if self.skipped < self.probe_interval:
+            return False
+        if self._probe_after is None:  # priced once a wait: the prices move little in as many steps
+            self._probe_after = 0
+            if self._probe_seconds and getattr(self.cost, "draft_factor", 1.0) < SLOW_DRAFTER:
+                plain = float(self.cost.verify_seconds(requests, requests))
+                self._probe_after = min(math.ceil(self._probe_seconds / (PROBE_SHARE * plain)),
+                                        MAX_PROBE_BACKOFF * self.probe_every)
+        return self.skipped >= self._probe_after
 
     def observed(self, record: StepRecord, plan: GatePlan) -> StepRecord:
         """The step as the cost model should learn from it: drafting normalised to a normal step of

@@ -3,6 +3,7 @@ priced by its share, what the cost model learns (the engine's side: test_draftin
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from itertools import pairwise
 from types import SimpleNamespace
@@ -11,11 +12,13 @@ import numpy as np
 import pytest
 import torch
 
+from dspark.runtime import drafting_gate
 from dspark.runtime.drafter_runner import CONTEXT_ROW_COST, split_calls
 from dspark.runtime.drafting_gate import (
     DECLINE_STEPS,
     MAX_ACCEPTANCE_SCALE,
     MAX_PROBE_BACKOFF,
+    PROBE_SHARE,
     SLOW_DRAFTER,
     DraftingGate,
     GatePlan,
@@ -57,7 +60,8 @@ def confident(rows: int, logit: float = 3.0) -> torch.Tensor:
 
 
 # -- the gate alone ------------------------------------------------------------------------------
-def test_first_step_probes_the_cheapest_rows_when_the_table_says_drafting_cannot_pay():
+def test_first_step_probes_the_cheapest_rows_when_the_table_says_drafting_cannot_pay(monkeypatch):
+    monkeypatch.setattr(drafting_gate, "PROBE_SHARE", 1e9)  # probes as often as probe_every allows
     backlogs = np.array([30, 5, 40, 5, 9, 12, 7, 50])
     assert DraftingGate(DEAR, block_size=GAMMA).plan(backlogs).rows.tolist() == [1]  # by default one row probes
     gate = DraftingGate(DEAR, block_size=GAMMA, probe_rows=4)
@@ -74,19 +78,26 @@ def test_first_step_probes_the_cheapest_rows_when_the_table_says_drafting_cannot
     assert DraftingGate(DEAR, block_size=GAMMA, probe_rows=4).plan(backlogs[:1]).all
 
 
-def test_probes_back_off_while_drafting_does_not_pay_and_come_back_once_it_does():
+def probe_gaps(gate: DraftingGate, backlogs: np.ndarray) -> list[int]:
+    """Steps between the first 7 probes of 120 steps."""
+    probes = []
+    for step in range(120):
+        plan = gate.plan(backlogs)
+        if len(plan.rows):
+            probes.append(step)
+        gate.record(plan, confident(len(backlogs)) if len(plan.rows) else None)
+    return [b - a for a, b in pairwise(probes)][:6]
+
+
+def test_probes_back_off_while_drafting_does_not_pay_and_come_back_once_it_does(monkeypatch):
     """Gaps between probes double from probe_every to MAX_PROBE_BACKOFF·probe_every while every probe finds
-    drafting unprofitable; a step that drafts every row puts them back to probe_every."""
+    drafting unprofitable; a step that drafts every row puts them back to probe_every. (Probes here cost
+    nothing against the plain steps between them: the next test is about that.)"""
+    monkeypatch.setattr(drafting_gate, "PROBE_SHARE", 1e9)
     backlogs = np.array([30, 5, 40, 5, 9, 12, 7, 50])
 
     def gaps(gate: DraftingGate) -> list[int]:
-        probes = []
-        for step in range(80):
-            plan = gate.plan(backlogs)
-            if len(plan.rows):
-                probes.append(step)
-            gate.record(plan, confident(8) if len(plan.rows) else None)
-        return [b - a for a, b in pairwise(probes)][:6]
+        return probe_gaps(gate, backlogs)
 
     intervals = [min(2 << k, MAX_PROBE_BACKOFF * 2) for k in range(6)]  # 2, 4, 8, 16, 16, 16
     assert gaps(DraftingGate(DEAR, block_size=GAMMA, probe_every=2)) == [i + 1 for i in intervals]  # + the probe
@@ -100,6 +111,22 @@ def test_probes_back_off_while_drafting_does_not_pay_and_come_back_once_it_does(
     gate.cost = CHEAP  # drafting pays now: every row drafts, and a later decline probes at probe_every again
     plans = [gate.plan(backlogs) for _ in range(DECLINE_STEPS + 1)]  # a decline is reused a few steps
     assert plans[-1].all and gate.probe_interval == gate.probe_every
+
+
+def test_a_probe_of_a_few_rows_waits_until_the_plain_steps_have_paid_for_it():
+    """After a probe of a few rows, the next waits until the plain steps since have cost its price over
+    PROBE_SHARE (at most the longest backoff), or the doubling interval if that is longer; not while the drafter
+    is found slowed."""
+    cost = SplitCost(draft_per_request=9e-4, per_token=1e-4)  # a probe 0.9 ms, a plain step of 8 rows 1.8 ms
+    backlogs = np.full(8, 5)  # no catch-up: a probe's price is draft(1)
+    gate = DraftingGate(cost, block_size=GAMMA, probe_every=2)
+    spacing = math.ceil(cost.draft_seconds(1) / (PROBE_SHARE * cost.verify_seconds(8, 8)))
+    assert 2 < spacing < MAX_PROBE_BACKOFF * 2  # between the first interval and the longest backoff
+    intervals = [max(min(2 << k, MAX_PROBE_BACKOFF * 2), spacing) for k in range(6)]
+    assert probe_gaps(gate, backlogs) == [i + 1 for i in intervals]  # (without the wait: 3, 5, 9, 17, 17, 17)
+    slowed = SimpleNamespace(draft_seconds=cost.draft_seconds, verify_seconds=cost.verify_seconds,
+                             draft_factor=SLOW_DRAFTER)
+    assert probe_gaps(DraftingGate(slowed, block_size=GAMMA, probe_every=2), backlogs) == [3] * 6
 
 
 def test_a_probe_pools_the_survivals_of_its_own_rows_only():
