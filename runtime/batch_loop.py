@@ -88,6 +88,7 @@ class BatchEngine(EngineRequests):
                      if scheduler.mode in ("dspark", "async") and scheduler.gate_drafting
                      and isinstance(cost_model, SplitStepCost)
                      else None)
+        self._gated: list[RunningRequest] = []  # the active rows of the gate's last plan
         self.admission = Admission(capacity)
         slots, length = capacity.max_requests, capacity.max_seq_len
         self.target_kv = SlotCache(info.target_cache, slots, length, device=backend.kv_device)
@@ -156,8 +157,12 @@ class BatchEngine(EngineRequests):
         block, plan, backlogs = None, None, None
         drafting = np.arange(rows) if self.scheduler.needs_drafts else np.arange(0)  # rows that draft
         if self.gate is not None:
-            backlogs = np.fromiter((a.backlog for a in active), np.int64, rows)
-            plan = self.gate.plan(backlogs)
+            # the same rows as the gate's last step (a list compared by identity): a decline may stand unpriced
+            plan = self.gate.standing_decline() if active == self._gated else None
+            if plan is None:
+                backlogs = np.fromiter((a.backlog for a in active), np.int64, rows)
+                plan = self.gate.plan(backlogs)
+                self._gated = list(active)
             drafting = plan.rows
             if not len(drafting) and not any(temperatures):  # declined, every row greedy: plain decoding
                 record = self._plain_step(len(new), seconds, begin)  # (the drafter's context rows kept)

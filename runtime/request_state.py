@@ -13,9 +13,10 @@ from .prompt_lookup import LookupState
 from .stats import RequestResult
 
 
-@dataclass
+@dataclass(eq=False)
 class RunningRequest:
-    """One request in a BatchEngine (queued, running or swapped out)."""
+    """One request in a BatchEngine (queued, running or swapped out); equal only to itself (the engine compares
+    its active rows from step to step by identity)."""
 
     result: RequestResult
     max_new_tokens: int
