@@ -128,6 +128,8 @@ class BatchEngine(EngineRequests):
         new = self._admit()
         if new:
             self._prefill(new)
+            if self.gate is not None:
+                self.gate.admitted(len(new), len(self.active))
         begin = _phase(seconds, "prefill", begin)
         bindings = self.drafter.bindings_made, self.target.bindings_made  # this step's calls: cold if they bind
         self._retire()

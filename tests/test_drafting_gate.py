@@ -182,6 +182,27 @@ def test_drafts_accepted_far_below_what_the_confidences_promised_stop_the_drafti
     assert one.acceptance_scale == pytest.approx(16 / (16 + 4 + 0.9))
 
 
+def test_requests_that_join_are_not_judged_by_what_the_leavers_accepted():
+    """`admitted`: the realised-acceptance sums keep the staying rows' share only."""
+    def unlucky(rows: int) -> DraftingGate:
+        gate = DraftingGate(SplitCost(draft_per_request=1e-4, per_token=3e-5), block_size=GAMMA)
+        for _ in range(10):
+            gate.record(GatePlan(rows, np.arange(rows), 1.0, 1.0), confident(rows, 5.0), (80.0, 16))
+        return gate
+
+    gate = unlucky(1)
+    before = (gate.expected_drafts, gate.accepted_drafts, gate.acceptance_scale)
+    assert before[2] < 0.5
+    gate.admitted(1, 1)  # the one request left, a new one came: nothing of its luck stays
+    assert gate.acceptance_scale == 1.0 and gate.expected_drafts == gate.accepted_drafts == 0.0
+    gate = unlucky(4)
+    gate.admitted(1, 4)  # three of four stayed: three quarters of the evidence
+    assert (gate.expected_drafts, gate.accepted_drafts) == pytest.approx((0.75 * before[0], 0.75 * before[1]))
+    assert before[2] < gate.acceptance_scale < 1.0  # still below promise, less surely
+    gate.admitted(0, 4)
+    assert gate.expected_drafts == pytest.approx(0.75 * before[0])
+
+
 def test_more_accepted_than_promised_keeps_drafting_going_but_never_starts_it():
     # σ(1) = 0.73 a slot, 1.4x of it accepted: at 16 rows (draft 1.6 ms, verify 1 ms + 0.03 ms·B) drafting
     # pays only with the survivals scaled up (Θ_draft/Θ_plain 0.87 as promised, 1.09 as accepted)
