@@ -217,7 +217,8 @@ class BatchEngine(EngineRequests):
                 if drafts and decision.expected_accepts is not None else None
             if copies is not None:  # the gate learns of DSpark's drafts only
                 verified = drafted_verified(drafting, candidates, batch.counts - 1, accepted)
-            self.gate.record(plan, confidence, verified, survivals)
+            self.gate.record(plan, confidence, verified, survivals,
+                             seconds.get("draft", 0.0) + seconds.get("heads", 0.0) if plan.probe else 0.0)
         load = self.monitor.sample() if self.monitor else None
         record = StepRecord(
             step=self._step, requests=rows, admitted_new=len(new), lengths=list(decision.lengths),

@@ -352,10 +352,15 @@ class DraftingGate:
             self.pool_version += 1
 
     def record(self, plan: GatePlan, confidence_logits: torch.Tensor | np.ndarray | None,
-               verified: tuple[float, int] | None = None, survivals: np.ndarray | None = None) -> None:
+               verified: tuple[float, int] | None = None, survivals: np.ndarray | None = None,
+               drafting_seconds: float = 0.0) -> None:
         """confidence_logits [R, γ] of the step (rows that did not draft: anything, unread); `verified`:
         (drafts Algorithm 1 expected accepted, drafts accepted) when the step verified drafts; `survivals`:
-        their survival [R, γ] at this gate's temperatures where the caller has it (not computed again)."""
+        their survival [R, γ] at this gate's temperatures where the caller has it (not computed again);
+        `drafting_seconds`: what its drafting took, where measured (a probe dearer than its price is spaced by
+        what it took: `_probe_due`)."""
+        if plan.probe and drafting_seconds > self._probe_seconds:
+            self._probe_seconds, self._probe_after = drafting_seconds, None
         if verified is not None and verified[0] > 0:
             self.expected_drafts = self.expected_drafts * ACCEPTANCE_DECAY + verified[0]
             self.accepted_drafts = self.accepted_drafts * ACCEPTANCE_DECAY + verified[1]
@@ -375,11 +380,12 @@ class DraftingGate:
 
     def _probe_due(self, requests: int) -> bool:
         """Whether a declined step probes: `probe_interval` steps without drafting, and, after a probe of a few
-        rows, plain steps that cost 1 / `PROBE_SHARE` times its price, its backlog's catch-up included (up to
-        the longest backoff; not while a live cost model finds the drafter slowed: probes are what sees it
-        recover). The doubling backoff counts probes, not their cost: a probe of one row that catches up a
-        17-54-row backlog took 2.1-2.7 ms beside a 0.9 ms plain step of 4 requests (demo engine), so probes
-        every 16-32 steps cost those runs ~7 % (module docstring, probes)."""
+        rows, plain steps that cost 1 / `PROBE_SHARE` times its price, its backlog's catch-up included, or what
+        it took where that was more (up to the longest backoff; not while a live cost model finds the drafter
+        slowed: probes are what sees it recover). The doubling backoff counts probes, not their cost: a probe of
+        one row that catches up a 17-54-row backlog took 2.1-2.7 ms beside a 0.9 ms plain step of 4 requests
+        (demo engine; priced 1.4-2.0 ms: the first call of a layout binds it, and the drafter runs cache-cold
+        after the target), so probes every 16-32 steps cost those runs ~7 % (module docstring, probes)."""
         if self.skipped < self.probe_interval:
             return False
         if self._probe_after is None:  # priced once a wait: the prices move little in as many steps

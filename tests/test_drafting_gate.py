@@ -78,14 +78,14 @@ def test_first_step_probes_the_cheapest_rows_when_the_table_says_drafting_cannot
     assert DraftingGate(DEAR, block_size=GAMMA, probe_rows=4).plan(backlogs[:1]).all
 
 
-def probe_gaps(gate: DraftingGate, backlogs: np.ndarray) -> list[int]:
-    """Steps between the first 7 probes of 120 steps."""
+def probe_gaps(gate: DraftingGate, backlogs: np.ndarray, took: float = 0.0) -> list[int]:
+    """Steps between the first 7 probes of 120 steps, each measured to have drafted for `took` seconds."""
     probes = []
     for step in range(120):
         plan = gate.plan(backlogs)
         if len(plan.rows):
             probes.append(step)
-        gate.record(plan, confident(len(backlogs)) if len(plan.rows) else None)
+        gate.record(plan, confident(len(backlogs)) if len(plan.rows) else None, drafting_seconds=took)
     return [b - a for a, b in pairwise(probes)][:6]
 
 
@@ -124,6 +124,12 @@ def test_a_probe_of_a_few_rows_waits_until_the_plain_steps_have_paid_for_it():
     assert 2 < spacing < MAX_PROBE_BACKOFF * 2  # between the first interval and the longest backoff
     intervals = [max(min(2 << k, MAX_PROBE_BACKOFF * 2), spacing) for k in range(6)]
     assert probe_gaps(gate, backlogs) == [i + 1 for i in intervals]  # (without the wait: 3, 5, 9, 17, 17, 17)
+    # a probe that took longer than its price is spaced by what it took
+    took = 1.5 * cost.draft_seconds(1)
+    longer = math.ceil(took / (PROBE_SHARE * cost.verify_seconds(8, 8)))
+    assert spacing < longer < MAX_PROBE_BACKOFF * 2
+    assert probe_gaps(DraftingGate(cost, block_size=GAMMA, probe_every=2), backlogs, took) == [
+        max(min(2 << k, MAX_PROBE_BACKOFF * 2), longer) + 1 for k in range(6)]
     slowed = SimpleNamespace(draft_seconds=cost.draft_seconds, verify_seconds=cost.verify_seconds,
                              draft_factor=SLOW_DRAFTER)
     assert probe_gaps(DraftingGate(slowed, block_size=GAMMA, probe_every=2), backlogs) == [3] * 6
