@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from click.testing import CliRunner
@@ -253,6 +254,25 @@ def test_goal_is_the_best_of_autoregressive_and_fixed_gamma() -> None:
     assert ("dspark scheduler: ≥ max(autoregressive, best fixed γ) at 1 of 2 concurrencies (not at 1 requests)"
             in summary)
     assert "per-request speed ÷ autoregressive 2.49× at 1, 1.03× at 16" in summary
+
+
+def test_load_sweep_shuffles_who_follows_whom(monkeypatch) -> None:
+    """Every scheduler runs `repeats` times per concurrency, in an order that changes from repeat to repeat."""
+    ran: list[tuple[str, int]] = []
+
+    def fake_run(base, scheduler, batch, *, concurrency, max_new_tokens, stop):
+        ran.append((scheduler.mode if scheduler.mode != "fixed" else f"fixed{scheduler.fixed_length}", concurrency))
+        return {"concurrency": concurrency, "aggregate_tokens_per_second": 1.0, "outputs": [[1]]}
+
+    monkeypatch.setattr(load_sweep, "run_load", fake_run)
+    base = SimpleNamespace(info=SimpleNamespace(block_size=7, has_confidence=True))
+    rows = load_sweep.load_sweep(base, [[1, 2]], [1, 4], max_new_tokens=2, stop=0, repeats=4, progress=False)
+    assert all(len(r) == 2 for r in rows.values()) and len(rows) == 5
+    for c in (1, 4):
+        order = [name for name, at in ran if at == c]
+        repeats = [tuple(order[i : i + 5]) for i in range(0, 20, 5)]
+        assert all(sorted(r) == sorted(repeats[0]) for r in repeats)  # each scheduler once a repeat
+        assert len(set(repeats)) > 1  # (a fixed order: every repeat the same)
 
 
 def test_plots_label_every_target(monkeypatch, tmp_path: Path) -> None:

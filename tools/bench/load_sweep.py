@@ -19,6 +19,7 @@ aggregate tokens/s >= max(autoregressive, best fixed γ). It reports; nothing as
 
 from __future__ import annotations
 
+import random
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -109,14 +110,19 @@ def load_sweep(base: Runtime, prompts: Sequence[list[int]], concurrency: Sequenc
     `MIN_REQUESTS`) requests at concurrency C.
     At each concurrency every scheduler runs `repeats` times, interleaved (scheduler after scheduler,
     repeat after repeat: a run at a few requests lasts ~0.1 s, where this machine's load moves one
-    run by 15-40 %); a row is the run of median aggregate tok/s, with every run's figure in
+    run by 15-40 %), in an order shuffled per repeat (seeded): in a fixed order each scheduler always
+    follows the same one, which can bias its row (one full bench put the synchronous scheduler at 0.82x
+    autoregressive at 4 requests, right after autoregressive runs; 7 runs alternating the order, 0.91x,
+    as the asynchronous one in both);
+    a row is the run of median aggregate tok/s, with every run's figure in
     `aggregate_runs`. Output token lists are dropped from the rows (they are checked, not stored):
     each row's `same_tokens_as_autoregressive` says whether every request matched the `off` run,
     in every repeat."""
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     configs = schedulers(base.info.block_size, base.info.has_confidence)
-    jobs = [(name, c) for c in concurrency for _ in range(repeats) for name in configs]
+    jobs = [(name, c) for c in concurrency for r in range(repeats)
+            for name in random.Random(f"{c}/{r}").sample(list(configs), len(configs))]
     runs: dict[tuple[str, int], list[dict[str, Any]]] = {}
     outputs: dict[tuple[str, int], list[list[list[int]]]] = {}
     bar = tqdm(jobs, desc=desc, unit="run", disable=not progress)
