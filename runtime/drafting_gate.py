@@ -55,6 +55,14 @@ drafter fails), probes are most of what the gate costs (measured: 16 requests on
 random prompts, 15 probes in 252 steps took 0.04 s of a 0.91 s run, 4 %). Not while a live cost model
 finds the drafter slower than its table (`draft_factor` ≥ `SLOW_DRAFTER`): then the decline may be a
 passing load, and probes are what measures the drafter's speed again, so they keep to `probe_every`.
+The doubling counts probes, not what they cost: a probe of a few rows also waits until the plain steps
+since it have cost its price over `PROBE_SHARE` (5 %; its price: the catch-up included, or what it took where
+that was more), so a dear probe beside cheap plain steps (one row catching up 17-54 context rows, 2.1-2.7 ms,
+beside 0.9 ms steps of 4 requests on the demo engine) comes no more often than that share allows. A decline
+that stands over the same rows is reused without being priced (`standing_decline`), and the engine runs such
+a step as plain decoding does, keeping the drafter's context rows; those two and the spacing took the
+scheduler from 0.852 to 0.894 of the best other policy (plain decoding) at 4 requests on the demo engine, 0.877
+to 0.906 at 16, 0.958 to 0.969 at 64 (32-token requests, medians of 5 interleaved runs against the code before).
 The other rows verify their anchor only: the engine gives them confidence −inf, survival 0, so they are
 no candidate of Algorithm 1 and their length is 0.
 Under padded verification (the engine's [R, W] graphs) the probe rows verify their anchor only
