@@ -167,6 +167,7 @@ class BatchEngine(EngineRequests):
                 self._gated = list(active)
             drafting = plan.rows
             if not len(drafting) and not any(temperatures):  # declined, every row greedy: plain decoding
+                begin = _phase(seconds, "schedule", begin)  # (the gate's time: a plain step's overhead, not its verify)
                 record = self._plain_step(len(new), seconds, begin)  # (the drafter's context rows kept)
                 self.gate.record(plan, None)
                 return self._finish(record, plan, bindings)
