@@ -33,8 +33,9 @@ from .capacity import Admission, Capacity
 from .chain_verifier import verify_chains
 from .cost_model import StepCost, StepCostModel
 from .drafter_runner import DrafterRunner, scatter_block
-from .drafting_gate import DraftingGate, GatePlan, SplitStepCost
+from .drafting_gate import DraftingGate
 from .engine_requests import EngineRequests
+from .gate_plan import DRAFTING, GatePlan, SplitStepCost
 from .kv_cache import SlotCache
 from .kv_tiers import HostTier
 from .live_cost import warm_record
@@ -219,7 +220,7 @@ class BatchEngine(EngineRequests):
             if copies is not None:  # the gate learns of DSpark's drafts only
                 verified = drafted_verified(drafting, candidates, batch.counts - 1, accepted)
             self.gate.record(plan, confidence, verified, survivals,
-                             seconds.get("draft", 0.0) + seconds.get("heads", 0.0) if plan.probe else 0.0)
+                             sum(seconds.get(k, 0.0) for k in DRAFTING) if plan.probe else 0.0)
         load = self.monitor.sample() if self.monitor else None
         record = StepRecord(
             step=self._step, requests=rows, admitted_new=len(new), lengths=list(decision.lengths),
@@ -243,7 +244,7 @@ class BatchEngine(EngineRequests):
         self.stats.record(record)
         observe = getattr(self.cost_model, "observe", None)
         if observe is not None:  # a live cost model learns the machine's current speed, from warm calls
-            learned = warm_record(record if plan is None or not len(plan.rows) else self.gate.observed(record, plan),
+            learned = warm_record(record if plan is None else self.gate.observed(record, plan),
                                   drafter_bound=self.drafter.bindings_made != bindings[0],
                                   target_bound=self.target.bindings_made != bindings[1])
             if learned is not None:

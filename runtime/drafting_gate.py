@@ -108,13 +108,12 @@ exact whatever was (or was not) drafted.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
-from typing import Protocol, runtime_checkable
+from dataclasses import replace
 
 import numpy as np
 import torch
 
-from .drafter_runner import CONTEXT_ROW_COST
+from .gate_plan import DRAFTING, DRAFTING_STEP, GatePlan, SplitStepCost, catch_up_price, without_drafting
 from .prefix_scheduler import survival
 from .stats import StepRecord
 from .survival_pool import SurvivalPool
@@ -129,49 +128,6 @@ SWITCH_MARGIN = 1.1  # from a decline to drafting every row, Θ_draft ≥ this �
 MAX_PROBE_BACKOFF = 8  # probes that keep finding drafting unprofitable come at most this many times rarer
 SLOW_DRAFTER = 1.5  # a live draft factor from which probes do not back off (a slowed drafter may recover)
 PROBE_SHARE = 0.05  # a probe of a few rows: its drafting at most this share of the plain steps until the next
-DRAFTING = ("draft", "heads")  # a step's phases that draft (StepRecord.seconds)
-DRAFTING_STEP = (*DRAFTING, "schedule")  # what a drafting step adds to a plain one (the live model's `drafting`)
-
-
-def without_drafting(record: StepRecord) -> StepRecord:
-    """`record` as a step that did not draft: its drafting phases left out, for a cost model that should learn
-    nothing of the drafter from it (a catch-up dearer than its price, a call that bound a new layout)."""
-    return replace(record, seconds={k: v for k, v in record.seconds.items() if k not in DRAFTING_STEP}, drafted=False)
-
-
-def catch_up_price(normal: float, excess: int, rows: int, steps: int = 1) -> float:
-    """Seconds of drafting `rows` rows whose normal step costs `normal`, with `excess` context rows beyond a
-    normal step's to catch up, that share spread over `steps` steps (module docstring: catch-up)."""
-    return normal * (1.0 + CONTEXT_ROW_COST * excess / (rows * steps))
-
-
-@runtime_checkable
-class SplitStepCost(Protocol):
-    """A step cost model that prices the drafter and the target separately."""
-
-    def draft_seconds(self, requests: int) -> float: ...
-
-    def verify_seconds(self, requests: int, tokens: int) -> float: ...
-
-
-@dataclass(frozen=True)
-class GatePlan:
-    """One step's drafting: which active rows draft, and what the gate expects it to cost."""
-
-    requests: int  # R active rows
-    rows: np.ndarray  # [k] active rows that draft, ascending (empty: none; 0..R-1: all)
-    price: float  # predicted seconds of drafting them, their whole backlogs included (0.0 if none)
-    normal: float  # predicted seconds of a normal drafting step of all R rows
-    excess: int = 0  # context rows they catch up beyond a normal step's (0: no catch-up)
-    declined: bool = False  # drafting does not pay: at most a probe drafts (at most half the rows, rounded up)
-
-    @property
-    def all(self) -> bool:
-        return len(self.rows) == self.requests
-
-    @property
-    def probe(self) -> bool:
-        return 0 < len(self.rows) < self.requests
 
 
 class DraftingGate:
@@ -219,9 +175,8 @@ class DraftingGate:
         the same rows (the caller's word: none joined or left since, so no backlog shrank): the pool and the
         realised acceptance unchanged, reused fewer than `DECLINE_STEPS` times, no probe due. None: call `plan`.
         A declined step's pricing was ~30 µs of host time at 16 requests (demo engine), 2 % of its step."""
-        last = self._last
-        if (last is None or len(last.rows) or self._declined is None or self._declined[1] != self.pool_version
-                or self._declined_steps >= DECLINE_STEPS or not self.pool or self._probe_due(last.requests)):
+        last = self._last  # (a plan that drafted rows stands no longer: it set `_declined` None or moved the pool)
+        if last is None or not self.pool or not self._decline_stands() or self._probe_due(last.requests):
             return None
         self._declined_steps += 1
         return last
@@ -283,12 +238,16 @@ class DraftingGate:
         """Whether the last "drafting does not pay" stands without pricing the step again (that pricing was
         most of a one-request step's scheduling time): the same rows, pool and realised acceptance, backlogs
         only grown (drafting only got dearer), for up to `DECLINE_STEPS` steps (a live cost model moves)."""
-        declined = self._declined
-        if (declined is None or declined[0] != requests or declined[1] != self.pool_version or excess < declined[2]
-                or self._declined_steps >= DECLINE_STEPS):
+        if not self._decline_stands() or self._declined[0] != requests or excess < self._declined[2]:
             return False
         self._declined_steps += 1
         return True
+
+    def _decline_stands(self) -> bool:
+        """A last "does not pay" whose pool and realised acceptance have not moved, reused fewer than
+        `DECLINE_STEPS` times (what `_still_declined` and `standing_decline` both ask)."""
+        declined = self._declined
+        return declined is not None and declined[1] == self.pool_version and self._declined_steps < DECLINE_STEPS
 
     @property
     def acceptance_scale(self) -> float:

@@ -45,7 +45,7 @@ from typing import Any
 import numpy as np
 
 from .cost_model import StepCost
-from .drafting_gate import SplitStepCost, without_drafting
+from .gate_plan import SplitStepCost, without_drafting
 from .stats import StepRecord
 
 Tokens = int | np.ndarray

@@ -83,3 +83,41 @@ def test_after_a_decline_drafting_every_row_again_needs_the_switching_margin(mon
     with_drafts, plain = gate.throughputs(4, gate.cost.draft_seconds(4))
     assert plain < with_drafts < SWITCH_MARGIN * plain
     assert gate.plan(backlogs).all == (margin == 1.0)
+
+
+def test_a_standing_decline_is_reused_unpriced_until_a_probe_is_due_or_it_would_be_priced_again(monkeypatch):
+    """`standing_decline` (the engine asks it while its active rows stay the same): the last plan again, with no
+    pricing, while it drafted no row, the pool has not moved, it was reused fewer than DECLINE_STEPS times and no
+    probe is due; otherwise None (the engine then calls `plan`)."""
+    import dspark.runtime.drafting_gate as gate_module
+
+    monkeypatch.setattr(gate_module, "PROBE_SHARE", 1e9)  # probes as often as probe_every allows
+    cost = Counting(draft_per_request=1.0, per_token=1e-4)  # drafting never pays
+    cost.calls = []
+    gate, backlogs = DraftingGate(cost, block_size=GAMMA, probe_every=3), np.full(4, 8)
+    assert gate.standing_decline() is None  # nothing planned yet
+    probe = gate.plan(backlogs)
+    assert probe.probe and gate.standing_decline() is None  # a probe is no decline to stand
+    gate.record(probe, confident(len(backlogs)))
+    declined = gate.plan(backlogs + 1)
+    assert declined.declined and not len(declined.rows)
+    gate.record(declined, None)
+    calls = len(cost.calls)
+    for _ in range(gate.probe_interval - 1):  # the steps until the next probe is due ...
+        assert gate.standing_decline() is declined
+        gate.record(declined, None)
+    assert len(cost.calls) == calls  # ... unpriced
+    assert gate.standing_decline() is None and gate.plan(backlogs + 9).probe  # then the probe, through `plan`
+
+    gate = DraftingGate(cost, block_size=GAMMA, probe_every=1000)  # no probe due: DECLINE_STEPS bounds it
+    gate.record(gate.plan(backlogs), confident(len(backlogs)))
+    declined = gate.plan(backlogs + 1)
+    stood = 0
+    while gate.standing_decline() is declined:
+        stood += 1
+        gate.record(declined, None)
+    assert stood == DECLINE_STEPS
+    declined = gate.plan(backlogs + 2)  # priced again: a new decline, which stands ...
+    assert gate.standing_decline() is declined
+    gate.record(declined, None, (4.0, 1))  # ... until the realised acceptance moves
+    assert gate.standing_decline() is None
