@@ -173,8 +173,9 @@ class BatchEngine(EngineRequests):
                 self.gate.record(plan, None)
                 return self._finish(record, plan, bindings)
         # rows that copy instead, where every row drafts because it pays: a copy replaces a block worth drafting
-        copies = (self.lookup.propose(active) if self.lookup is not None and len(drafting) == rows
-                  and (plan is None or not plan.declined) else None)
+        copies = (self.lookup.propose(active, self.target_kv.max_len - 1 - int(starts.max()))
+                  if self.lookup is not None and len(drafting) == rows and (plan is None or not plan.declined)
+                  else None)
         # a probe under padded verification verifies anchors only: it is there for the drafted rows'
         # confidences (the gate's pool), and their drafts would pad every row to their width
         probe_only = plan is not None and plan.probe and self.scheduler.pricing == "padded"

@@ -168,8 +168,9 @@ class PromptLookup:
         self._shares = (requests, float(draft(requests)) / requests, float(verify(requests, width)) / requests)
         return self._shares[1:]
 
-    def propose(self, active: list) -> LookupDrafts | None:
-        """The rows of `active` (RunningRequest) that copy this step, with their copies; None if none."""
+    def propose(self, active: list, room: int) -> LookupDrafts | None:
+        """The rows of `active` (RunningRequest) that copy this step, with their copies; None if none. `room`:
+        drafts the fullest row's slot still holds past its anchor (verification pads every row to the widest)."""
         rows, width = len(active), self.width
         draft_share, verify_share = self.shares(rows)
         chosen, tokens, survivals = [], None, None
@@ -177,8 +178,8 @@ class PromptLookup:
             if a.lookup is None:
                 a.lookup = LookupState(self.n)
             state = a.lookup
-            # no longer than the request still needs: its KV reservation holds that plus one block
-            limit = min(self.max_tokens, a.max_new_tokens - len(a.result.tokens))
+            # no longer than the request still needs, nor than the fullest slot holds (each reserves one block more)
+            limit = min(self.max_tokens, a.max_new_tokens - len(a.result.tokens), room)
             copy = state.continuation(a.result.prompt_ids, a.result.tokens, limit) if limit > 0 else []
             dspark = state.dspark_accepts if state.dspark_accepts is not None else self.dspark_accepts
             if not copy or dspark is None:  # no match, or nothing yet to weigh a copy against: DSpark drafts

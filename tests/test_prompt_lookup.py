@@ -92,9 +92,9 @@ def test_nothing_is_weighed_before_a_dspark_block_and_sampling_rows_copy_with_a_
     lookup = PromptLookup(2, block_size=4, cost=device_table(), max_tokens=4)
     repeating = [5, 6, 7, 8] * 4
     active = [request(repeating, [5]), request(repeating, [5], temperature=1.0), request([1, 2, 3], [4])]
-    assert lookup.propose(active) is None  # no DSpark block seen yet: nothing to weigh a copy against
+    assert lookup.propose(active, room=64) is None  # no DSpark block seen yet: nothing to weigh a copy against
     lookup.dspark_accepts = 1.0
-    copies = lookup.propose(active)
+    copies = lookup.propose(active, room=64)
     assert copies.rows.tolist() == [0, 1]  # row 2's history has no earlier match
     assert copies.tokens[0].tolist() == [6, 7, 8, 5] and copies.tokens[2].tolist() == [0, 0, 0, 0]
     assert copies.survivals[0, 0] == pytest.approx(prompt_lookup.PRIOR_ACCEPTANCE) and not copies.survivals[2].any()
@@ -108,10 +108,12 @@ def test_copies_run_past_the_block_but_never_past_what_the_request_still_needs()
     lookup = PromptLookup(2, block_size=4, cost=device_table(), max_tokens=10)
     lookup.dspark_accepts = 1.0
     repeating = [5, 6, 7, 8] * 4
-    copies = lookup.propose([request(repeating, [5]), request(repeating, [5], max_new_tokens=4)])
+    rows = [request(repeating, [5]), request(repeating, [5], max_new_tokens=4)]
+    copies = lookup.propose(rows, room=64)
     assert copies.tokens.shape == (2, 10)  # the step's draft rows are as wide as the longest copy
     assert copies.tokens[0].tolist() == [6, 7, 8, 5] * 2 + [6, 7]
     assert copies.tokens[1].tolist() == [6, 7, 8] + [0] * 7  # 3 tokens to go: a longer copy is wasted work
+    assert lookup.propose(rows, room=5).tokens[0].tolist() == [6, 7, 8, 5, 6] + [0] * 5  # the fullest slot's room
     assert (copies.survivals[1, 3:] == 0).all() and (copies.survivals[0] > 0).all()
     assert PromptLookup(2, block_size=4).max_tokens == 8  # twice the block by default
 
@@ -120,7 +122,7 @@ def test_dspark_logits_widen_for_a_long_copy_beside_them():
     lookup = PromptLookup(2, block_size=4, cost=device_table(), max_tokens=6)
     lookup.dspark_accepts = 1.0
     active = [request([1, 2, 3], [4], temperature=1.0), request([5, 6, 7, 8] * 4, [5], temperature=1.0)]
-    copies = lookup.propose(active)
+    copies = lookup.propose(active, room=64)
     dspark = torch.randn(2, 4, 10)  # row 0 drafted with DSpark, row 1 copies
     logits = copy_logits(copies, dspark, [1.0, 1.0], vocab_size=10)
     assert logits.shape == (2, 6, 10) and torch.equal(logits[0, :4], dspark[0])
@@ -257,3 +259,21 @@ def test_sampled_copies_keep_the_targets_law_and_a_wrong_q_is_caught(monkeypatch
         (*copies.tokens.shape, vocab_size)))
     wrong, _ = sampled_copy_counts(target, drafter, 4000)
     assert pooled_pvalue(wrong, law) < 1e-6
+
+
+def test_a_long_copy_beside_a_row_near_its_slot_end_fits_the_padded_batch(pair):
+    """Verification is padded to the widest row: a copy longer than a block widens every row, so it is cut to
+    what the fullest row's slot still holds (every row's reservation covers one block past its output)."""
+    target, drafter = pair
+    gamma = drafter.config.block_size
+    prompts = [PROMPTS[2], PROMPTS[0][:5]]  # the first row's slot fills first: its prompt is the longer
+    new_tokens = 64
+    plain, _ = decode(pair, SchedulerConfig("off"), device_table(), prompts=prompts, new_tokens=new_tokens)
+    engine = BatchEngine(TorchBackend(target, drafter), ModelInfo.from_models(target, drafter),
+                         capacity=Capacity(2, 4096, len(prompts[0]) + new_tokens + gamma + 1),
+                         scheduler=SchedulerConfig("dspark", prompt_lookup=3), cost_model=device_table(),
+                         kv_mode="concat")
+    ids = [engine.submit(p, max_new_tokens=new_tokens) for p in prompts]
+    done = engine.run_until_done()
+    assert [done[i].tokens for i in ids] == plain
+    assert any(max(s.lengths) > gamma for s in engine.stats.steps if s.copied_rows)  # long copies were made
