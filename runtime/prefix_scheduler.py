@@ -48,6 +48,8 @@ class SchedulerConfig:
     threshold: float = 0.5  # `threshold`: per-slot σ(c) cut-off
     confidence_temperatures: tuple[float, ...] | None = None  # STS, one per block slot
     gate_drafting: bool = True  # `dspark`, `async`: skip drafting when the cost table says it cannot pay
+    # a probe whose drafts are not verified (padded pricing) drafts on a worker thread while the target verifies
+    overlap_probes: bool = True
     # how verification is priced: "padded" (the runtime's graphs take [R, W] rows, so B = R·W) or
     # "packed" (B = Σ(1 + ℓ_r), the paper's packed verification)
     pricing: str = "padded"
@@ -87,6 +89,11 @@ class SchedulerConfig:
     @property
     def needs_drafts(self) -> bool:
         return self.mode != "off" and not (self.mode == "fixed" and self.fixed_length == 0)
+
+    @property
+    def overlaps_probes(self) -> bool:
+        """Whether the drafting gate's probes draft on a worker (their drafts go unverified: padded pricing)."""
+        return self.overlap_probes and self.pricing == "padded"
 
     @property
     def copies_prompts(self) -> bool:
@@ -203,7 +210,10 @@ def admit_by_width(survivals: np.ndarray, throughput: Throughput) -> Decision:
     depth = 0
     while depth < gamma and theta[depth + 1] > theta[depth] and filled[depth]:
         depth += 1
-    return Decision((depth,) * requests, tau[depth], theta[depth], min(depth + 1, gamma))
+    # no row past its own drafts (a DSpark row beside a longer prompt-lookup copy has γ of the copy's width): a
+    # sampled row's rejection rule reads the law its drafts were drawn from, which a padding token never had
+    lengths = (depth,) * requests if depth == 0 else tuple(np.minimum((survivals > 0).sum(axis=1), depth).tolist())
+    return Decision(lengths, tau[depth], theta[depth], min(depth + 1, gamma))
 
 
 def prefix_schedule(survival_probs: torch.Tensor | np.ndarray, step_seconds: StepSeconds, *,

@@ -74,7 +74,7 @@ def test_vectorised_ragged_rows_take_the_scalar_decisions():
 def scalar_by_width(survivals, theta):
     """Algorithm 1 over a padded verification, as `admit_by_width` states it: depth d (every row's d-th draft)
     adds Σ_r a_{r,d} to τ for R more verified tokens; depths go in order while Θ rises, a depth no row can
-    fill (all survivals 0) stops the scan as a drop does."""
+    fill (all survivals 0) stops the scan as a drop does; no row verifies past its own drafts (survivals > 0)."""
     requests, gamma = len(survivals), len(survivals[0])
     tau, best, depth = float(requests), theta(float(requests), requests), 0
     for d in range(gamma):
@@ -83,7 +83,7 @@ def scalar_by_width(survivals, theta):
         if candidate <= best or max(column) <= 0:
             break
         tau, best, depth = tau + sum(column), candidate, d + 1
-    return (depth,) * requests, tau, best, min(depth + 1, gamma)
+    return tuple(min(depth, sum(a > 0 for a in row)) for row in survivals), tau, best, min(depth + 1, gamma)
 
 
 def test_vectorised_padded_chains_take_the_scalar_decisions():
@@ -104,3 +104,11 @@ def test_vectorised_padded_chains_take_the_scalar_decisions():
         assert got.lengths == want[0] and got.considered == want[3]
         assert np.isclose(got.expected_accepts, want[1], rtol=1e-12)
         assert np.isclose(got.expected_throughput, want[2], rtol=1e-12)
+
+
+def test_a_padded_depth_past_a_rows_own_drafts_leaves_that_row_at_its_drafts():
+    """A DSpark row (γ = 3) beside a prompt-lookup copy of 6: the depth the copy fills is no length of the row's,
+    whose slots past γ hold no draft (a sampled row's rejection rule would read a law never drawn from)."""
+    survivals = np.array([[0.99, 0.98, 0.97, 0.96, 0.95, 0.94], [0.9, 0.8, 0.7, 0.0, 0.0, 0.0]])
+    decision = prefix_schedule(survivals, lambda r, tokens: 1e-3 + 1e-6 * np.asarray(tokens), padded=True)
+    assert decision.lengths == (6, 3)
