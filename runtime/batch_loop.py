@@ -42,6 +42,7 @@ from .live_cost import warm_record
 from .model_info import ModelInfo
 from .monitor import Monitor
 from .prefix_scheduler import Decision, SchedulerConfig, StepScheduler
+from .probe_overlap import ProbeOverlap
 from .prompt_lookup import PromptLookup, drafted_verified, with_copies
 from .proposer import DraftBlock
 from .request_state import RunningRequest
@@ -58,7 +59,7 @@ def _phase(seconds: dict[str, float], name: str, begin: float) -> float:
     return now
 
 
-class BatchEngine(EngineRequests):
+class BatchEngine(ProbeOverlap, EngineRequests):
     """Continuous batching over a `Backend` with the export contract's graphs.
 
     `kv_mode` picks the target graph and how its keys/values are held (`target_runner`): `fused`
@@ -90,6 +91,7 @@ class BatchEngine(EngineRequests):
                      and isinstance(cost_model, SplitStepCost)
                      else None)
         self._gated: list[RunningRequest] = []  # the active rows of the gate's last plan
+        self._probe = None  # a probe drafting on the worker (probe_overlap)
         self.admission = Admission(capacity)
         slots, length = capacity.max_requests, capacity.max_seq_len
         self.target_kv = SlotCache(info.target_cache, slots, length, device=backend.kv_device)
@@ -124,10 +126,17 @@ class BatchEngine(EngineRequests):
     def step(self) -> StepRecord | None:
         seconds: dict[str, float] = {}
         begin = time.perf_counter()
+        # a probe in flight lands when due (at a step, not when it is done: the gate's choices stay reproducible)
+        # and before rows may swap
+        if self._probe is not None and (self._step >= self._probe.due or self.tiers is not None):
+            self._land_probe(seconds)
+            begin = time.perf_counter()
         if self.tiers is not None:
             self.tiers.rebalance(self)
         new = self._admit()
         if new:
+            if self._probe is not None:  # (its wait counted as the step's prefill)
+                self._land_probe()
             self._prefill(new)
             if self.gate is not None:
                 self.gate.admitted(len(new), len(self.active))
@@ -167,6 +176,12 @@ class BatchEngine(EngineRequests):
                 plan = self.gate.plan(backlogs)
                 self._gated = list(active)
             drafting = plan.rows
+            # a probe whose drafts go unverified drafts on the worker while the steps go on (probe_overlap)
+            if plan.probe and self._probe is None and self.scheduler.overlaps_probes:
+                plan = self._launch_probe(plan, anchors, starts, temperatures, generators)
+                drafting = plan.rows
+            elif len(drafting) and self._probe is not None:
+                self._land_probe(seconds)
             if not len(drafting) and not any(temperatures):  # declined, every row greedy: plain decoding
                 begin = _phase(seconds, "schedule", begin)  # (the gate's time: a plain step's overhead, not its verify)
                 record = self._plain_step(len(new), seconds, begin)  # (the drafter's context rows kept)
@@ -241,18 +256,26 @@ class BatchEngine(EngineRequests):
 
     def _finish(self, record: StepRecord, plan: GatePlan | None, bindings: tuple[int, int]) -> StepRecord:
         """Record the step, let a live cost model learn from it (warm calls only: `bindings`, the runners'
-        binding counts before it), retire finished rows."""
+        binding counts before it; the step a probe was launched in, once the probe lands), retire finished rows."""
         self.stats.record(record)
-        observe = getattr(self.cost_model, "observe", None)
-        if observe is not None:  # a live cost model learns the machine's current speed, from warm calls
-            learned = warm_record(record if plan is None else self.gate.observed(record, plan),
-                                  drafter_bound=self.drafter.bindings_made != bindings[0],
-                                  target_bound=self.target.bindings_made != bindings[1])
-            if learned is not None:
-                observe(learned)
+        target_bound = self.target.bindings_made != bindings[1]
+        if self._probe is not None and self._probe.record is None:
+            self._probe.record, self._probe.target_bound = record, target_bound
+        else:
+            self._learn(record, plan, drafter_bound=self.drafter.bindings_made != bindings[0],
+                        target_bound=target_bound)
         self._retire()
         self._step += 1
         return record
+
+    def _learn(self, record: StepRecord, plan: GatePlan | None, *, drafter_bound: bool, target_bound: bool) -> None:
+        """A live cost model learns the machine's current speed from the step, where its calls ran warm."""
+        observe = getattr(self.cost_model, "observe", None)
+        if observe is not None:
+            learned = warm_record(record if plan is None else self.gate.observed(record, plan),
+                                  drafter_bound=drafter_bound, target_bound=target_bound)
+            if learned is not None:
+                observe(learned)
 
     def _plain_step(self, admitted: int, seconds: dict[str, float], begin: float) -> StepRecord:
         """Plain greedy decoding (scheduler `off`, or a step the drafting gate declined; no row sampling): each
@@ -274,12 +297,16 @@ class BatchEngine(EngineRequests):
                           gpu_percent=None if load is None else load.gpu_percent, drafted=False)
 
     def _propose(self, drafting: np.ndarray, anchors: np.ndarray, starts: np.ndarray, temperatures: list[float],
-                 generators: list[torch.Generator | None], seconds: dict[str, float], begin: float) -> DraftBlock:
+                 generators: list[torch.Generator | None], seconds: dict[str, float], begin: float,
+                 contexts: list[list[np.ndarray]] | None = None) -> DraftBlock:
         """Draft for active rows `drafting` [k] -> a block over all R rows: rows that did not draft
-        have confidence −inf (survival 0: Algorithm 1 gives them length 0) and no drafts."""
+        have confidence −inf (survival 0: Algorithm 1 gives them length 0) and no drafts. `contexts`: their
+        pending context rows, where already taken."""
         active, rows = self.active, len(self.active)
         every = len(drafting) == rows
-        out = self.drafter.draft(anchors[drafting], starts[drafting], [active[r].take_context() for r in drafting],
+        if contexts is None:
+            contexts = [active[r].take_context() for r in drafting]
+        out = self.drafter.draft(anchors[drafting], starts[drafting], contexts,
                                  None if every else drafting, greedy=not any(temperatures[r] for r in drafting))
         begin = _phase(seconds, "draft", begin)
         order = drafting[out.order]  # the active row of each drafted row

@@ -31,6 +31,7 @@ returns the block itself, and `propose` is not called.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -48,6 +49,19 @@ MAX_FUSED_BINDINGS = 256  # (first slot, rows, new context rows, output row) lay
 FILL_BY_ROW = 4  # up to this many rows, the fused backbone copies context chunks row by row
 CONTEXT_ROW_COST = 0.025  # one context row beyond a normal step's, as a fraction of one row's drafting
 CALL_ROWS = 2.0  # a backbone call's fixed cost, in rows of drafting
+
+
+_probes: ThreadPoolExecutor | None = None
+
+
+def probe_worker() -> ThreadPoolExecutor:
+    """The process's one thread for drafting probes beside verification (`SchedulerConfig.overlap_probes`):
+    ONNX Runtime and torch release the GIL inside a graph call, so a probe's drafter call runs on a core the
+    target's call leaves idle. One thread: the engines of a process probe one after another."""
+    global _probes
+    if _probes is None:
+        _probes = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dspark-probe")
+    return _probes
 
 
 _BLOCK_GRAPHS = (C.BACKBONE, C.HEAD_GREEDY, C.DRAFT_GREEDY_FUSED)  # graphs whose block outputs `_buffers` hold

@@ -64,7 +64,9 @@ a step as plain decoding does, keeping the drafter's context rows; those two and
 scheduler from 0.852 to 0.894 of the best other policy (plain decoding) at 4 requests on the demo engine, 0.877
 to 0.906 at 16, 0.958 to 0.969 at 64 (32-token requests, medians of 5 interleaved runs against the code before).
 The other rows verify their anchor only: the engine gives them confidence −inf, survival 0, so they are
-no candidate of Algorithm 1 and their length is 0.
+no candidate of Algorithm 1 and their length is 0. A probe whose drafts go unverified (padded pricing) may draft
+on a worker thread beside the steps (`probe_overlap`): the engine says so (`launched`), and until it is recorded
+the gate probes no more.
 Under padded verification (the engine's [R, W] graphs) the probe rows verify their anchor only
 too: their drafts would widen every row's verification to theirs (measured at 64 requests on the
 demo engine: a probe step's verification took 33–35 ms at W = 4 against 10 ms at W = 1, and the
@@ -163,6 +165,7 @@ class DraftingGate:
         self._probe_seconds = 0.0  # what the last probe of a few rows took to draft (0.0: none yet)
         self._probe_after: int | None = None  # steps without drafting before the next probe (None: to price)
         self._last: GatePlan | None = None  # the last plan (standing_decline)
+        self._in_flight = False  # a probe launched and not yet recorded (`launched`)
 
     # -- the decision ---------------------------------------------------------------------------
     def plan(self, backlogs: np.ndarray) -> GatePlan:  # backlogs [R] context rows each row has not fed
@@ -203,7 +206,7 @@ class DraftingGate:
             self._declined, self._declined_steps = (requests, self.pool_version, excess, normal), 0
         self._drafting = False
         normal = self._declined[3]
-        if self.pool and not self._probe_due(requests):
+        if self._in_flight or (self.pool and not self._probe_due(requests)):
             return GatePlan(requests, every[:0], 0.0, normal, declined=True)
         if self.pool and getattr(self.cost, "draft_factor", 1.0) < SLOW_DRAFTER:  # (the first probe: no pool)
             self.probe_interval = min(2 * self.probe_interval, MAX_PROBE_BACKOFF * self.probe_every)
@@ -213,6 +216,13 @@ class DraftingGate:
         if len(rows) < requests:  # a probe of a few rows: the plain steps to the next pay for it (_probe_due)
             self._probe_seconds, self._probe_after = price, None
         return GatePlan(requests, rows, price, normal, int(self._excess(backlogs[rows]).sum()), declined=True)
+
+    def launched(self, plan: GatePlan) -> GatePlan:
+        """Probe `plan` drafts apart from the step (probe_overlap) and is recorded once it lands; no other probe
+        until then. -> the step's plan: declined, no row drafting (what `standing_decline` reuses meanwhile)."""
+        self._in_flight, self.skipped = True, 0
+        self._last = GatePlan(plan.requests, plan.rows[:0], 0.0, plan.normal, declined=True)
+        return self._last
 
     def narrowed(self, plan: GatePlan, rows: np.ndarray, backlogs: np.ndarray) -> GatePlan:
         """`plan` with only `rows` of its rows drafting (the others copy their drafts: prompt_lookup), priced
@@ -326,6 +336,8 @@ class DraftingGate:
         their survival [R, γ] at this gate's temperatures where the caller has it (not computed again);
         `drafting_seconds`: what its drafting took, where measured (a probe dearer than its price is spaced by
         what it took: `_probe_due`)."""
+        if plan.probe:
+            self._in_flight = False
         if plan.probe and drafting_seconds > self._probe_seconds:
             self._probe_seconds, self._probe_after = drafting_seconds, None
         if verified is not None and verified[0] > 0:

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 from test_drafting_gate import CHEAP, DEAR, GAMMA, SplitCost
-from test_drafting_gate_engine import drafted_rows, greedy, pair, prompts, run
+from test_drafting_gate_engine import drafted_rows, greedy, launches, pair, prompts, run
 
 from dspark.runtime.async_scheduler import AsyncScheduler, best_depth
 from dspark.runtime.batch_loop import BatchEngine
@@ -97,17 +97,20 @@ def test_packed_capacity_is_kept_per_drafting_row():
     assert sum(decision.lengths) == 4 * k_star
 
 
-def async_engine(cost: SplitCost, slots: int = 6, pricing: str = "padded") -> BatchEngine:
+def async_engine(cost: SplitCost, slots: int = 6, pricing: str = "padded", overlap: bool = False) -> BatchEngine:
     target, drafter = pair()
+    scheduler = SchedulerConfig("async", pricing=pricing, overlap_probes=overlap)
     return BatchEngine(TorchBackend(target, drafter), ModelInfo.from_models(target, drafter),
-                       capacity=Capacity(slots, 1 << 16, 1024), scheduler=SchedulerConfig("async", pricing=pricing),
-                       cost_model=cost, kv_mode="concat")
+                       capacity=Capacity(slots, 1 << 16, 1024), scheduler=scheduler, cost_model=cost, kv_mode="concat")
 
 
-@pytest.mark.parametrize("pricing", ["padded", "packed"])
+@pytest.mark.parametrize("pricing", ["padded", "packed", "padded-overlapped"])
 @pytest.mark.parametrize(("cost", "kinds"), [(DEAR, {"p", "."}), (CHEAP, {"A"})], ids=["skip-and-probe", "draft"])
 def test_the_gate_decides_who_drafts_in_async_mode_and_greedy_stays_the_targets(cost, kinds, pricing):
-    engine = async_engine(cost, pricing=pricing)
+    overlap = pricing.endswith("-overlapped")  # probes drafted on the worker: their launches show them
+    pricing = pricing.removesuffix("-overlapped")
+    engine = async_engine(cost, pricing=pricing, overlap=overlap)
+    launched = launches(engine)
     assert engine.gate is not None
     p = list(prompts())
     new = 32
@@ -117,7 +120,8 @@ def test_the_gate_decides_who_drafts_in_async_mode_and_greedy_stays_the_targets(
     for request_id, prompt in asked.items():
         assert finished[request_id].tokens == greedy(prompt, new)
     steps = [s for s in engine.stats.steps if s.requests > engine.gate.probe_rows]
-    assert {"A" if s.drafted else "p" if drafted_rows(s) else "." for s in steps} == kinds
+    seen = {"A" if s.drafted else "p" if drafted_rows(s) else "." for s in steps}
+    assert seen | ({"p"} if launched else set()) == kinds and bool(launched) == (overlap and "p" in kinds)
     verified = sum(max(s.lengths) for s in steps if drafted_rows(s))
     if kinds == {"A"} or pricing == "packed":
         assert verified > 0  # the async decisions verified drafts

@@ -116,20 +116,22 @@ def test_a_tensor_tree_mask_is_composed_like_the_reference():
     np.testing.assert_array_equal(got.numpy(), want)
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["probes-in-line", "probes-overlapped"])
 @pytest.mark.parametrize("case", ["skip-and-probe", "middle", "long-prompt"])
-def test_probes_and_rows_drafting_apart_over_tensor_caches(case):
+def test_probes_and_rows_drafting_apart_over_tensor_caches(case, overlap):
     """The drafting gate's partial steps over tensor caches: probe rows (not one contiguous range) and a
-    long prompt's row drafting apart gather and scatter the drafter's cache by index; greedy output stays
-    the target's (the golden pair of tests/test_drafting_gate.py)."""
+    long prompt's row drafting apart gather and scatter the drafter's cache by index, in the step or on the
+    probe worker; greedy output stays the target's (the golden pair of tests/test_drafting_gate.py)."""
     from test_drafting_gate import CHEAP, DEAR, SplitCost
-    from test_drafting_gate_engine import drafted_rows, greedy, prompts, run
+    from test_drafting_gate_engine import drafted_rows, greedy, launches, prompts, run
     from test_drafting_gate_engine import pair as golden_pair
 
     target, drafter = golden_pair()
     cost = {"skip-and-probe": DEAR, "middle": SplitCost(4e-4, 1e-4), "long-prompt": CHEAP}[case]
+    scheduler = SchedulerConfig("dspark", overlap_probes=overlap)
     engine = BatchEngine(TensorKV(TorchBackend(target, drafter)), ModelInfo.from_models(target, drafter),
-                         capacity=Capacity(6, 1 << 16, 1024), scheduler=SchedulerConfig("dspark"), cost_model=cost,
-                         kv_mode="concat")
+                         capacity=Capacity(6, 1 << 16, 1024), scheduler=scheduler, cost_model=cost, kv_mode="concat")
+    launched = launches(engine)
     p, new = list(prompts()), 24
     arrivals = ({0: p[:5], 4: [p[2] * 4]} if case == "long-prompt"
                 else {0: p[:3], 2: p[3:5], 5: p[5:7], 11: p[7:10], 19: p[:2]})
@@ -137,8 +139,8 @@ def test_probes_and_rows_drafting_apart_over_tensor_caches(case):
     finished = engine.take_finished()
     assert isinstance(engine.drafter_kv.keys[0], torch.Tensor)
     assert [finished[i].tokens for i in asked] == [greedy(prompt, new) for prompt in asked.values()]
-    if case != "long-prompt":
-        assert any(0 < len(drafted_rows(s)) < s.requests for s in engine.stats.steps)  # probes happened
+    if case != "long-prompt":  # probes happened
+        assert bool(launched) if overlap else any(0 < len(drafted_rows(s)) < s.requests for s in engine.stats.steps)
 
 
 def test_deterministic_draft_probs_made_on_a_tensor_equal_the_reference():

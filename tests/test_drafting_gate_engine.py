@@ -59,13 +59,28 @@ class Recorder:
         backend._run = recording
 
 
-def engine_for(cost: SplitCost, slots: int = 8) -> tuple[BatchEngine, Recorder]:
+def engine_for(cost: SplitCost, slots: int = 8, overlap: bool = False) -> tuple[BatchEngine, Recorder]:
+    """`overlap`: probes draft on the worker (probe_overlap); off, a probe step's record shows its rows."""
     target, drafter = pair()
     backend = TorchBackend(target, drafter)
     recorder = Recorder(backend)
     engine = BatchEngine(backend, ModelInfo.from_models(target, drafter), capacity=Capacity(slots, 1 << 16, 1024),
-                         scheduler=SchedulerConfig("dspark", prompt_lookup=0), cost_model=cost, kv_mode="concat")
+                         scheduler=SchedulerConfig("dspark", prompt_lookup=0, overlap_probes=overlap), cost_model=cost,
+                         kv_mode="concat")
     return engine, recorder
+
+
+def launches(engine: BatchEngine) -> list[list[int]]:
+    """The rows of each probe the engine hands to the worker, as it launches them."""
+    seen: list[list[int]] = []
+    launch = engine._launch_probe
+
+    def counting(plan, *args):
+        seen.append(plan.rows.tolist())
+        return launch(plan, *args)
+
+    engine._launch_probe = counting
+    return seen
 
 
 def drafted_rows(record: StepRecord) -> list[int]:
@@ -106,14 +121,17 @@ def test_engine_drafts_only_the_probe_rows_from_the_first_step():
     assert all(max(s.lengths) == 0 for s in steps if drafted_rows(s))
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["probes-in-line", "probes-overlapped"])
 @pytest.mark.parametrize(("cost", "steps"), [(DEAR, "p."), (CHEAP, "A"), (SplitCost(3e-4, 1e-4), "Ap.")],
                          ids=["skip-and-probe", "draft", "middle"])
-def test_greedy_output_is_the_targets_with_skips_probes_and_arrivals(cost, steps, monkeypatch):
+def test_greedy_output_is_the_targets_with_skips_probes_and_arrivals(cost, steps, overlap, monkeypatch):
     """`steps`: the kinds of step the run goes through, A every row drafts, p a probe, . none
     (the middle table: drafting pays at 3 rows, not at 6, so the gate drafts, stops, probes, drafts).
-    Probes come every probe_every steps here, however dear (PROBE_SHARE), so that this run has some."""
+    Probes come every probe_every steps here, however dear (PROBE_SHARE), so that this run has some.
+    Overlapped, a probe drafts beside plain steps: its rows show in no step's record, its launches count."""
     monkeypatch.setattr(drafting_gate, "PROBE_SHARE", 1e9)
-    engine, _ = engine_for(cost, slots=6)
+    engine, _ = engine_for(cost, slots=6, overlap=overlap)
+    launched = launches(engine)
     p = list(prompts())
     new = 40
     asked = run(engine, {0: p[:3], 2: p[3:5], 5: p[5:7], 11: p[7:10], 19: p[:2]}, new)
@@ -122,6 +140,10 @@ def test_greedy_output_is_the_targets_with_skips_probes_and_arrivals(cost, steps
     for request_id, prompt in asked.items():
         assert finished[request_id].tokens == greedy(prompt, new)
     kinds = {"A" if s.drafted else "p" if drafted_rows(s) else "." for s in engine.stats.steps if s.requests > 4}
+    if overlap:
+        kinds |= {"p"} if any(len(rows) < 5 for rows in launched) else set()
+    else:
+        assert not launched
     assert kinds == set(steps)
 
 

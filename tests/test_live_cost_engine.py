@@ -85,7 +85,9 @@ def run_under(slowdowns: list[tuple[int, dict[str, float]]], monkeypatch, reques
     device = SlowableDevice(TorchBackend(target, drafter), clock)
     live = LiveStepCost(device_table())
     engine = BatchEngine(device, ModelInfo.from_models(target, drafter), capacity=Capacity(requests, 8192, 1024),
-                         scheduler=SchedulerConfig("dspark", prompt_lookup=0), cost_model=live, kv_mode="concat")
+                         # probes in line: a virtual clock that two threads advance would time neither
+                         scheduler=SchedulerConfig("dspark", prompt_lookup=0, overlap_probes=False), cost_model=live,
+                         kv_mode="concat")
     records: list[StepRecord] = []
     load: list[float] = []
     submitted = 0
