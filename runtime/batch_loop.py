@@ -176,8 +176,9 @@ class BatchEngine(ProbeOverlap, EngineRequests):
                 plan = self.gate.plan(backlogs)
                 self._gated = list(active)
             drafting = plan.rows
-            # a probe whose drafts go unverified drafts on the worker while the steps go on (probe_overlap)
-            if plan.probe and self._probe is None and self.scheduler.overlaps_probes:
+            # a probe whose drafts go unverified drafts on the worker while the steps go on (probe_overlap); every
+            # row greedy: a sampled row's draws follow the gate's choices, which a restart replays (recovery)
+            if plan.probe and self._probe is None and self.scheduler.overlaps_probes and not any(temperatures):
                 plan = self._launch_probe(plan, anchors, starts, temperatures, generators)
                 drafting = plan.rows
             elif len(drafting) and self._probe is not None:

@@ -127,3 +127,17 @@ def test_probes_on_the_worker_draft_what_a_drafter_fed_the_rows_whole_context_dr
             assert tokens[r].tolist() == reference_drafts(sequences[r])
             checked += 1
     assert checked >= 6
+
+
+def test_no_probe_leaves_the_step_while_a_row_samples(monkeypatch):
+    """A sampled row's draws follow which steps drafted, which a resumed engine replays without a probe in flight:
+    with one sampling row, probes stay in line."""
+    monkeypatch.setattr(drafting_gate, "PROBE_SHARE", 1e9)
+    engine, _ = engine_for(DEAR, overlap=True)
+    launched = launches(engine)
+    p = list(prompts())
+    ids = [engine.submit(list(q), max_new_tokens=40, temperature=1.0 if i == 1 else 0.0, seed=i)
+           for i, q in enumerate(p[:4])]
+    done = engine.run_until_done()
+    assert not launched and len(engine.gate.pool) >= 2  # probes ran, in their steps
+    assert done[ids[0]].tokens == greedy(tuple(p[0]), 40) and len(done[ids[1]].tokens) == 40
