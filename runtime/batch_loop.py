@@ -91,7 +91,7 @@ class BatchEngine(ProbeOverlap, EngineRequests):
                      and isinstance(cost_model, SplitStepCost)
                      else None)
         self._gated: list[RunningRequest] = []  # the active rows of the gate's last plan
-        self._probe = None  # a probe drafting on the worker (probe_overlap)
+        self._probe, self._probe_took = None, 0.0  # a probe drafting on the worker, the last one's time (probe_overlap)
         self.admission = Admission(capacity)
         slots, length = capacity.max_requests, capacity.max_seq_len
         self.target_kv = SlotCache(info.target_cache, slots, length, device=backend.kv_device)
