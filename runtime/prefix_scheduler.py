@@ -212,7 +212,8 @@ def admit_by_width(survivals: np.ndarray, throughput: Throughput) -> Decision:
         depth += 1
     # no row past its own drafts (a DSpark row beside a longer prompt-lookup copy has γ of the copy's width): a
     # sampled row's rejection rule reads the law its drafts were drawn from, which a padding token never had
-    lengths = (depth,) * requests if depth == 0 else tuple(np.minimum((survivals > 0).sum(axis=1), depth).tolist())
+    lengths = ((depth,) * requests if depth == 0 or survivals[:, depth - 1].all()
+               else tuple(np.minimum((survivals > 0).sum(axis=1), depth).tolist()))
     return Decision(lengths, tau[depth], theta[depth], min(depth + 1, gamma))
 
 

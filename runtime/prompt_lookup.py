@@ -211,7 +211,7 @@ class PromptLookup:
             state = active[r].lookup
             if state is not None:
                 state.drafted(total)
-        mean = float(np.mean(sums))
+        mean = sum(sums) / len(sums)  # (np.mean of a list: ~6 µs a step more)
         previous = self.dspark_accepts
         self.dspark_accepts = mean if previous is None else DSPARK_DECAY * previous + (1.0 - DSPARK_DECAY) * mean
 

@@ -10,6 +10,7 @@ from statistics import median
 import numpy as np
 import pytest
 
+from dspark.runtime import live_cost
 from dspark.runtime.cost_model import StepCostModel
 from dspark.runtime.drafting_gate import SplitStepCost
 from dspark.runtime.live_cost import LIMIT, LiveStepCost, bucket
@@ -247,10 +248,12 @@ class Scaled:
 
 
 @pytest.mark.parametrize("split", [True, False], ids=["split", "whole-step"])
-def test_cached_prices_equal_the_model_recomputed_from_scratch(split):
+def test_cached_prices_equal_the_model_recomputed_from_scratch(split, monkeypatch):
     """Random observation sequences (load changes, plain and idle steps, few and many cells, cells evicted,
     values ageing out while nothing is priced, a machine so fast that prices floor at 1 ns, a prior swapped
-    in mid-step): every price the engine asks for equals the uncached model's, to 1e-12."""
+    in mid-step): every price the engine asks for equals the uncached model's, to 1e-12 (prices rebuilt at
+    every observation: what they are rebuilt from, not how often)."""
+    monkeypatch.setattr(live_cost, "PRICE_REFRESH", 1)
     g = np.random.default_rng(7)
 
     def check(r: int) -> None:
@@ -284,3 +287,23 @@ def test_cached_prices_equal_the_model_recomputed_from_scratch(split):
             if step >= 150 and not isinstance(live.prior, Scaled):  # a new prior, priced by at once
                 live.prior = reference.prior = Scaled(live.prior, 1.5)
                 check(requests)
+
+
+def test_prices_move_every_price_refresh_observations_and_are_then_the_models():
+    """A rebuild costs ~27 µs (one request's step: ~2.8 ms), so prices follow the observations every
+    `PRICE_REFRESH` of them: unchanged in between, the uncached model's right after."""
+    g = np.random.default_rng(3)
+    live, reference = LiveStepCost(PRIOR), Uncached(PRIOR)
+    moves = []
+    before = live.seconds(4, 16)
+    for step in range(1, 41):
+        observed = record(4, 16, draft=g.uniform(0.5, 2.0), verify=g.uniform(0.5, 2.0))
+        live.observe(observed)
+        reference.observe(observed)
+        price = live.seconds(4, 16)
+        if price != before:
+            moves.append(step)
+        if step % live_cost.PRICE_REFRESH == 0:
+            assert price == pytest.approx(reference.seconds(4, 16), rel=1e-12, abs=0)
+        before = price
+    assert moves and all(step % live_cost.PRICE_REFRESH == 0 for step in moves)
