@@ -258,13 +258,14 @@ def test_goal_is_the_best_of_autoregressive_and_fixed_gamma() -> None:
 
 
 def test_load_sweep_shuffles_who_follows_whom(monkeypatch) -> None:
-    """Every scheduler runs `repeats` times per concurrency (three times that at a few requests, where runs are
-    short), in an order that changes from repeat to repeat."""
+    """Every scheduler runs `repeats` times per concurrency (three times that where runs are short), in an order
+    that changes from repeat to repeat."""
     ran: list[tuple[str, int]] = []
 
     def fake_run(base, scheduler, batch, *, concurrency, max_new_tokens, stop):
         ran.append((scheduler.mode if scheduler.mode != "fixed" else f"fixed{scheduler.fixed_length}", concurrency))
-        return {"concurrency": concurrency, "aggregate_tokens_per_second": 1.0, "outputs": [[1]]}
+        seconds = 0.1 if concurrency < 64 else 1.0  # short runs at 1 and 4 requests
+        return {"concurrency": concurrency, "aggregate_tokens_per_second": 1.0, "seconds": seconds, "outputs": [[1]]}
 
     monkeypatch.setattr(load_sweep, "run_load", fake_run)
     base = SimpleNamespace(info=SimpleNamespace(block_size=7, has_confidence=True))

@@ -85,8 +85,8 @@ def _concurrency(text: str | None) -> tuple[int, ...] | None:
               help="The stand-in's size: 100M, 1.5B, 250k, or a multiple of the target (4x).")
 @click.option("--sweep-only", is_flag=True, help="Only the load sweep(s): no acceptance, single stream, peers.")
 @click.option("--sweep-repeats", default=3, show_default=True, type=click.IntRange(min=1),
-              help="Interleaved runs per scheduler and concurrency in the sweep, three times that up to 16 "
-                   "requests, where runs are short (rows: the median run).")
+              help="Interleaved runs per scheduler and concurrency in the sweep, three times that where runs "
+                   "last under 0.5 s (rows: the median run).")
 @click.option("--single-stream-repeats", type=click.IntRange(min=1),
               help="Interleaved rounds of the single-stream prompts (rows: each system's median round; the ratios "
                    "to onnxruntime-genai with their min and median over the rounds). Default: 3, 1 with --quick.")

@@ -20,6 +20,7 @@ aggregate tokens/s >= max(autoregressive, best fixed γ). It reports; nothing as
 from __future__ import annotations
 
 import random
+import statistics
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -30,9 +31,10 @@ from dspark.runtime.api import Runtime, RuntimeOptions
 from dspark.runtime.prefix_scheduler import SchedulerConfig
 
 MIN_REQUESTS = 16  # requests per run at least, whatever the concurrency
-# up to this concurrency a run lasts ~0.1-0.3 s (demo target), where this machine's load moves one run by 15-40 %:
-# `SHORT_RUN_REPEATS` times the runs there, so that a row's median is as steady as a longer run's
-SHORT_RUN_CONCURRENCY, SHORT_RUN_REPEATS = 16, 3
+# a concurrency whose runs last under SHORT_RUN_SECONDS (the demo target up to 16 requests: ~0.1-0.3 s, where this
+# machine's load moves one run by 15-40 %) runs `SHORT_RUN_REPEATS` times the repeats, so that a row's median is
+# as steady as a longer run's (the 100M stand-in's runs there last ~4 s: no more of them)
+SHORT_RUN_SECONDS, SHORT_RUN_REPEATS = 0.5, 3
 SYNC, ASYNC, AUTOREGRESSIVE = "dspark scheduler", "dspark async scheduler", "autoregressive"
 SCHEDULERS = (SYNC, ASYNC)  # the systems the goal is about
 FIXED = "fixed γ="  # prefix of the fixed-length systems' names
@@ -111,10 +113,10 @@ def load_sweep(base: Runtime, prompts: Sequence[list[int]], concurrency: Sequenc
                desc: str = "load sweep") -> dict[str, list[dict[str, Any]]]:
     """{scheduler name: one row per concurrency}; request i uses prompts[i % len(prompts)], max(C,
     `MIN_REQUESTS`) requests at concurrency C.
-    At each concurrency every scheduler runs `repeats` times (`SHORT_RUN_REPEATS` times that up to
-    `SHORT_RUN_CONCURRENCY` requests), interleaved (scheduler after scheduler, repeat after repeat: a run at a
-    few requests lasts ~0.1 s, where this machine's load moves one run by 15-40 %), in an order shuffled per
-    repeat (seeded): in a fixed order each scheduler always
+    At each concurrency every scheduler runs `repeats` times (`SHORT_RUN_REPEATS` times that where the first
+    repeats' median run lasted under `SHORT_RUN_SECONDS`), interleaved (scheduler after scheduler, repeat
+    after repeat: a run at a few requests lasts ~0.1 s, where this machine's load moves one run by 15-40 %),
+    in an order shuffled per repeat (seeded): in a fixed order each scheduler always
     follows the same one, which can bias its row (one full bench put the synchronous scheduler at 0.82x
     autoregressive at 4 requests, right after autoregressive runs; 7 runs alternating the order, 0.91x,
     as the asynchronous one in both);
@@ -125,18 +127,26 @@ def load_sweep(base: Runtime, prompts: Sequence[list[int]], concurrency: Sequenc
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     configs = schedulers(base.info.block_size, base.info.has_confidence)
-    jobs = [(name, c) for c in concurrency
-            for r in range(repeats * (SHORT_RUN_REPEATS if c <= SHORT_RUN_CONCURRENCY else 1))
-            for name in random.Random(f"{c}/{r}").sample(list(configs), len(configs))]
     runs: dict[tuple[str, int], list[dict[str, Any]]] = {}
     outputs: dict[tuple[str, int], list[list[list[int]]]] = {}
-    bar = tqdm(jobs, desc=desc, unit="run", disable=not progress)
-    for name, c in bar:
-        bar.set_postfix_str(f"{name}, {c} requests")
+    bar = tqdm(total=len(concurrency) * repeats * len(configs), desc=desc, unit="run", disable=not progress)
+    for c in concurrency:
         batch = [prompts[i % len(prompts)] for i in range(max(c, MIN_REQUESTS))]
-        row = run_load(base, configs[name], batch, concurrency=c, max_new_tokens=max_new_tokens, stop=stop)
-        outputs.setdefault((name, c), []).append(row.pop("outputs"))
-        runs.setdefault((name, c), []).append(row)
+        rounds = repeats
+        r = 0
+        while r < rounds:
+            for name in random.Random(f"{c}/{r}").sample(list(configs), len(configs)):
+                bar.set_postfix_str(f"{name}, {c} requests")
+                row = run_load(base, configs[name], batch, concurrency=c, max_new_tokens=max_new_tokens, stop=stop)
+                outputs.setdefault((name, c), []).append(row.pop("outputs"))
+                runs.setdefault((name, c), []).append(row)
+                bar.update()
+            r += 1
+            if r == repeats and statistics.median(
+                    run["seconds"] for name in configs for run in runs[name, c]) < SHORT_RUN_SECONDS:
+                rounds = repeats * SHORT_RUN_REPEATS
+                bar.total += (rounds - repeats) * len(configs)
+    bar.close()
     rows: dict[str, list[dict[str, Any]]] = {name: [] for name in configs}
     for name in configs:
         for c in concurrency:
