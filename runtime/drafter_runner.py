@@ -30,6 +30,7 @@ returns the block itself, and `propose` is not called.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -52,6 +53,14 @@ CALL_ROWS = 2.0  # a backbone call's fixed cost, in rows of drafting
 
 
 _probes: ThreadPoolExecutor | None = None
+
+
+def _forget_probe_worker() -> None:
+    global _probes
+    _probes = None  # a forked child has the executor but not its thread: its first probe would wait forever
+
+
+os.register_at_fork(after_in_child=_forget_probe_worker)
 
 
 def probe_worker() -> ThreadPoolExecutor:

@@ -141,3 +141,22 @@ def test_no_probe_leaves_the_step_while_a_row_samples(monkeypatch):
     done = engine.run_until_done()
     assert not launched and len(engine.gate.pool) >= 2  # probes ran, in their steps
     assert done[ids[0]].tokens == greedy(tuple(p[0]), 40) and len(done[ids[1]].tokens) == 40
+
+
+def test_a_forked_child_gets_a_probe_worker_of_its_own():
+    """The parent's worker thread does not exist in a forked child (a served engine's process may be forked):
+    the child's first probe must not wait on it."""
+    import multiprocessing
+
+    from dspark.runtime.drafter_runner import probe_worker
+
+    assert probe_worker().submit(int, 7).result() == 7  # the parent's worker exists
+    context = multiprocessing.get_context("fork")
+    with context.Pool(1) as pool:
+        assert pool.apply_async(_probe_in_child).get(timeout=30) == 7
+
+
+def _probe_in_child() -> int:
+    from dspark.runtime.drafter_runner import probe_worker
+
+    return probe_worker().submit(int, 7).result(timeout=10)
