@@ -224,6 +224,10 @@ class DraftingGate:
         self._last = GatePlan(plan.requests, plan.rows[:0], 0.0, plan.normal, declined=True)
         return self._last
 
+    def abandoned(self) -> None:
+        """The launched probe failed: nothing to record, and probes may come again."""
+        self._in_flight = False
+
     def narrowed(self, plan: GatePlan, rows: np.ndarray, backlogs: np.ndarray) -> GatePlan:
         """`plan` with only `rows` of its rows drafting (the others copy their drafts: prompt_lookup), priced
         again, so that what the step's drafting teaches the cost model is normalised to the rows that drafted."""

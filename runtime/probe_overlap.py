@@ -81,7 +81,11 @@ class ProbeOverlap:
         gate and the live cost model learn from it."""
         probe, self._probe = self._probe, None
         begin = time.perf_counter()
-        block = probe.drafted.result()
+        try:
+            block = probe.drafted.result()
+        except BaseException:  # the step fails as a probe in line would; later probes may still come
+            self.gate.abandoned()
+            raise
         if seconds is not None:
             seconds["draft"] = seconds.get("draft", 0.0) + time.perf_counter() - begin
         self._probe_took = sum(probe.phases.values())

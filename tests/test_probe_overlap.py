@@ -160,3 +160,24 @@ def _probe_in_child() -> int:
     from dspark.runtime.drafter_runner import probe_worker
 
     return probe_worker().submit(int, 7).result(timeout=10)
+
+
+def test_a_probe_that_fails_on_the_worker_fails_its_landing_step_and_frees_the_gate():
+    engine, _ = engine_for(DEAR, overlap=True)
+    backend = engine.backend
+    run_graph = backend._run
+
+    def failing(graph, feeds):
+        if threading.current_thread() is not threading.main_thread() and graph.startswith("drafter"):
+            raise RuntimeError("drafter died")
+        return run_graph(graph, feeds)
+
+    backend._run = failing
+    for q in list(prompts())[:4]:
+        engine.submit(list(q), max_new_tokens=40)
+    engine.step()  # launches the first probe
+    assert engine._probe is not None
+    with pytest.raises(RuntimeError, match="drafter died"):
+        while True:
+            engine.step()
+    assert engine._probe is None and not engine.gate._in_flight
