@@ -175,15 +175,15 @@ class BatchEngine(ProbeOverlap, EngineRequests):
                 backlogs = np.fromiter((a.backlog for a in active), np.int64, rows)
                 plan = self.gate.plan(backlogs)
                 self._gated = list(active)
-            drafting = plan.rows
+            drafting, greedy = plan.rows, not any(temperatures)
             # a probe whose drafts go unverified drafts on the worker while the steps go on (probe_overlap); every
             # row greedy: a sampled row's draws follow the gate's choices, which a restart replays (recovery)
-            if plan.probe and self._probe is None and self.scheduler.overlaps_probes and not any(temperatures):
+            if plan.probe and self._probe is None and self.scheduler.overlaps_probes and greedy:
                 plan = self._launch_probe(plan, anchors, starts, temperatures, generators)
                 drafting = plan.rows
             elif len(drafting) and self._probe is not None:
                 self._land_probe(seconds)
-            if not len(drafting) and not any(temperatures):  # declined, every row greedy: plain decoding
+            if not len(drafting) and greedy:  # declined, every row greedy: plain decoding
                 begin = _phase(seconds, "schedule", begin)  # (the gate's time: a plain step's overhead, not its verify)
                 record = self._plain_step(len(new), seconds, begin)  # (the drafter's context rows kept)
                 self.gate.record(plan, None)

@@ -88,10 +88,10 @@ class ProbeOverlap:
             raise
         if seconds is not None:
             seconds["draft"] = seconds.get("draft", 0.0) + time.perf_counter() - begin
-        self._probe_took = sum(probe.phases.values())
+        self._probe_took = sum(probe.phases.get(k, 0.0) for k in DRAFTING)
         logits = block.confidence_logits  # the drafter's buffers: read before its next call
         self.gate.record(probe.plan, None if logits is None else torch.as_tensor(logits), None,
-                         self.planner.survivals(logits), sum(probe.phases.get(k, 0.0) for k in DRAFTING))
+                         self.planner.survivals(logits), self._probe_took)
         if probe.record is not None:  # as if it had drafted before that step's verification
             learned = replace(probe.record, seconds={**probe.record.seconds, **probe.phases})
             self._learn(learned, probe.plan, drafter_bound=self.drafter.bindings_made != probe.drafter_bindings,

@@ -22,18 +22,19 @@ def test_the_steps_go_on_while_a_probe_drafts():
     waited for its probe before verifying would never get there (the worker gives up after 30 s)."""
     engine, _ = engine_for(DEAR, overlap=True)
     backend = engine.backend
-    target_calls, launched_at, stuck = [0], [], []
+    target_calls, launched_at = [0], []
+    progressed = threading.Condition()
     run_graph = backend._run
 
     def gated(graph, feeds):
         if threading.current_thread() is threading.main_thread():
             if graph.startswith("target"):
-                target_calls[0] += 1
+                with progressed:
+                    target_calls[0] += 1
+                    progressed.notify_all()
         elif graph.startswith("drafter"):
-            deadline = threading.Event()
-            while target_calls[0] <= launched_at[-1] and not deadline.wait(0.005):
-                stuck.append(1)
-                if len(stuck) > 6000:
+            with progressed:
+                if not progressed.wait_for(lambda: target_calls[0] > launched_at[-1], timeout=30):
                     raise TimeoutError("the engine did not verify while its probe drafted")
         return run_graph(graph, feeds)
 

@@ -130,22 +130,23 @@ def load_sweep(base: Runtime, prompts: Sequence[list[int]], concurrency: Sequenc
     runs: dict[tuple[str, int], list[dict[str, Any]]] = {}
     outputs: dict[tuple[str, int], list[list[list[int]]]] = {}
     bar = tqdm(total=len(concurrency) * repeats * len(configs), desc=desc, unit="run", disable=not progress)
-    for c in concurrency:
+
+    def one_round(c: int, r: int) -> None:  # every scheduler once, in this round's order
         batch = [prompts[i % len(prompts)] for i in range(max(c, MIN_REQUESTS))]
-        rounds = repeats
-        r = 0
-        while r < rounds:
-            for name in random.Random(f"{c}/{r}").sample(list(configs), len(configs)):
-                bar.set_postfix_str(f"{name}, {c} requests")
-                row = run_load(base, configs[name], batch, concurrency=c, max_new_tokens=max_new_tokens, stop=stop)
-                outputs.setdefault((name, c), []).append(row.pop("outputs"))
-                runs.setdefault((name, c), []).append(row)
-                bar.update()
-            r += 1
-            if r == repeats and statistics.median(
-                    run["seconds"] for name in configs for run in runs[name, c]) < SHORT_RUN_SECONDS:
-                rounds = repeats * SHORT_RUN_REPEATS
-                bar.total += (rounds - repeats) * len(configs)
+        for name in random.Random(f"{c}/{r}").sample(list(configs), len(configs)):
+            bar.set_postfix_str(f"{name}, {c} requests")
+            row = run_load(base, configs[name], batch, concurrency=c, max_new_tokens=max_new_tokens, stop=stop)
+            outputs.setdefault((name, c), []).append(row.pop("outputs"))
+            runs.setdefault((name, c), []).append(row)
+            bar.update()
+
+    for c in concurrency:
+        for r in range(repeats):
+            one_round(c, r)
+        if statistics.median(run["seconds"] for name in configs for run in runs[name, c]) < SHORT_RUN_SECONDS:
+            bar.total += repeats * (SHORT_RUN_REPEATS - 1) * len(configs)
+            for r in range(repeats, repeats * SHORT_RUN_REPEATS):
+                one_round(c, r)
     bar.close()
     rows: dict[str, list[dict[str, Any]]] = {name: [] for name in configs}
     for name in configs:
