@@ -237,7 +237,8 @@ class BatchEngine(ProbeOverlap, EngineRequests):
             if copies is not None:  # the gate learns of DSpark's drafts only
                 verified = drafted_verified(drafting, candidates, batch.counts - 1, accepted)
             self.gate.record(plan, confidence, verified, survivals,
-                             sum(seconds.get(k, 0.0) for k in DRAFTING) if plan.probe else 0.0)
+                             sum(seconds.get(k, 0.0) for k in DRAFTING) if plan.declined else 0.0,
+                             sum(seconds.values()) - seconds.get("prefill", 0.0) if plan.declined and plan.all else 0.0)
         load = self.monitor.sample() if self.monitor else None
         record = StepRecord(
             step=self._step, requests=rows, admitted_new=len(new), lengths=list(decision.lengths),

@@ -45,22 +45,12 @@ one request the probe is that request); their confidences refresh the pool. A pr
 verify their drafts too, widening every row's verification (measured at 4 requests on the demo engine: a
 probe step of all 4 rows took ~8 ms against ~1 ms for a plain step, 4 such steps a quarter of a run).
 By default one row probes (`probe_rows` = 1): its backlog, a whole prompt at the first step, is most of a
-probe's cost, and one row's survivals start the pool as well as four's (sweep runner A/B, scratch, medians
-of 5 runs, 32-token requests: the demo engine at 4 requests 0.86 → 0.88 of plain decoding, at 16 requests
-0.86 → 0.90; the 100M cost stand-in, 3 runs, 0.97 → 0.98 of max(autoregressive, fixed γ) at 4 and 16).
-The interval starts at `probe_every` and doubles with every probe, up to `MAX_PROBE_BACKOFF` times
-`probe_every`, until the gate drafts every row again (then it is
-`probe_every` anew): where drafting keeps not paying (a compute-bound target under load, text the
-drafter fails), probes are most of what the gate costs (measured: 16 requests on the demo engine,
-random prompts, 15 probes in 252 steps took 0.04 s of a 0.91 s run, 4 %). Not while a live cost model
-finds the drafter slower than its table (`draft_factor` ≥ `SLOW_DRAFTER`): then the decline may be a
-passing load, and probes are what measures the drafter's speed again, so they keep to `probe_every`.
-The doubling counts probes, not what they cost: a probe of a few rows also waits until the plain steps
-since it have cost its price over `PROBE_SHARE` (5 %; its price: the catch-up included, or what it took where
-that was more), so a dear probe beside cheap plain steps (one row catching up 17-54 context rows, 2.1-2.7 ms,
-beside 0.9 ms steps of 4 requests on the demo engine) comes no more often than that share allows. A decline
-that stands over the same rows is reused without being priced (`standing_decline`), and the engine runs such
-a step as plain decoding does, keeping the drafter's context rows; those two and the spacing took the
+probe's cost, and one row's survivals start the pool as well as four's (demo engine: 0.86 → 0.88 of plain
+decoding at 4 requests, 0.86 → 0.90 at 16).
+When the next probe comes: `probe_spacing` (doubling intervals, each probe's cost a small share of the
+plain steps to the next; one request, which probes itself, spaced by what its probe cost).
+A decline that stands over the same rows is reused without being priced (`standing_decline`), and the
+engine runs such a step as plain decoding does, keeping the drafter's context rows; those two and the spacing took the
 scheduler from 0.852 to 0.894 of the best other policy (plain decoding) at 4 requests on the demo engine, 0.877
 to 0.906 at 16, 0.958 to 0.969 at 64 (32-token requests, medians of 5 interleaved runs against the code before).
 The other rows verify their anchor only: the engine gives them confidence −inf, survival 0, so they are
@@ -117,6 +107,7 @@ import torch
 
 from .gate_plan import DRAFTING, DRAFTING_STEP, GatePlan, SplitStepCost, catch_up_price, without_drafting
 from .prefix_scheduler import survival
+from .probe_spacing import ProbeSpacing
 from .stats import StepRecord
 from .survival_pool import SurvivalPool
 
@@ -127,12 +118,9 @@ MAX_ACCEPTANCE_SCALE = 1.5  # confidences that promise less than is accepted are
 DECLINE_STEPS = 8  # steps a "drafting does not pay" (or pays by PAYS_MARGIN) is reused while it stands
 PAYS_MARGIN = 1.25  # Θ_draft ≥ this × Θ_plain: a clear "drafting pays", reused like a decline
 SWITCH_MARGIN = 1.1  # from a decline to drafting every row, Θ_draft ≥ this × Θ_plain (module docstring)
-MAX_PROBE_BACKOFF = 8  # probes that keep finding drafting unprofitable come at most this many times rarer
-SLOW_DRAFTER = 1.5  # a live draft factor from which probes do not back off (a slowed drafter may recover)
-PROBE_SHARE = 0.05  # a probe of a few rows: its drafting at most this share of the plain steps until the next
 
 
-class DraftingGate:
+class DraftingGate(ProbeSpacing):
     """Asked once a step (`plan`), told what the step saw (`record`). `padded`: Algorithm 1 prices
     verification as [R, W] rows (SchedulerConfig.pricing), so the gate predicts it depth by depth."""
 
@@ -147,8 +135,7 @@ class DraftingGate:
         self.probe_every, self.probe_rows, self.catch_up_steps = probe_every, probe_rows, catch_up_steps
         self.prior = prior_acceptance ** np.arange(1, block_size + 1)  # [γ] survival of the prior row
         self.pool = SurvivalPool(pool_rows, block_size)  # [γ] survival rows of recent drafted rows
-        self.skipped = 0  # steps since rows last drafted
-        self.probe_interval = probe_every  # steps without drafting before the next probe (module docstring)
+        self._init_spacing()  # steps since rows last drafted, and when the next probe comes (probe_spacing)
         self.expected_drafts = 0.0  # decayed Σ drafts Algorithm 1 expected accepted, steps that verified drafts
         self.accepted_drafts = 0.0  # decayed Σ drafts accepted in those steps
         self.pool_version = 0  # bumped whenever the pool or those sums change (a snapshot re-encodes them then)
@@ -162,8 +149,6 @@ class DraftingGate:
         # the last "drafting pays" by PAYS_MARGIN or more: (requests, Σ excess backlog, normal draft seconds)
         self._paying: tuple[int, int, float] | None = None
         self._paying_steps = 0
-        self._probe_seconds = 0.0  # what the last probe of a few rows took to draft (0.0: none yet)
-        self._probe_after: int | None = None  # steps without drafting before the next probe (None: to price)
         self._last: GatePlan | None = None  # the last plan (standing_decline)
         self._in_flight = False  # a probe launched and not yet recorded (`launched`)
 
@@ -199,7 +184,8 @@ class DraftingGate:
             # before any row drafted (no pool) every row drafts only where the prior says it clearly pays
             switch = 1.0 if self._drafting else SWITCH_MARGIN  # from declined to drafting every row: a margin
             if with_drafts > switch * plain and (self.pool or with_drafts >= PAYS_MARGIN * plain):
-                self._declined, self._drafting, self.probe_interval = None, True, self.probe_every
+                self._declined, self._drafting = None, True
+                self._drafting_again()
                 if with_drafts >= PAYS_MARGIN * plain:
                     self._paying, self._paying_steps = (requests, excess, normal), 0
                 return GatePlan(requests, every, catch_up_price(normal, excess, requests), normal, excess)
@@ -208,13 +194,10 @@ class DraftingGate:
         normal = self._declined[3]
         if self._in_flight or (self.pool and not self._probe_due(requests)):
             return GatePlan(requests, every[:0], 0.0, normal, declined=True)
-        if self.pool and getattr(self.cost, "draft_factor", 1.0) < SLOW_DRAFTER:  # (the first probe: no pool)
-            self.probe_interval = min(2 * self.probe_interval, MAX_PROBE_BACKOFF * self.probe_every)
         probe_rows = min(self.probe_rows, (requests + 1) // 2)  # fewer than R where R > 1: anchors verify alone
         rows = every if requests <= probe_rows else np.sort(np.argsort(backlogs, kind="stable")[:probe_rows])
         price = self._price(backlogs[rows])
-        if len(rows) < requests:  # a probe of a few rows: the plain steps to the next pay for it (_probe_due)
-            self._probe_seconds, self._probe_after = price, None
+        self._probing(requests, price, backs_off=bool(self.pool))  # (the first probe: no pool)
         return GatePlan(requests, rows, price, normal, int(self._excess(backlogs[rows]).sum()), declined=True)
 
     def launched(self, plan: GatePlan) -> GatePlan:
@@ -334,16 +317,16 @@ class DraftingGate:
 
     def record(self, plan: GatePlan, confidence_logits: torch.Tensor | np.ndarray | None,
                verified: tuple[float, int] | None = None, survivals: np.ndarray | None = None,
-               drafting_seconds: float = 0.0) -> None:
+               drafting_seconds: float = 0.0, step_seconds: float = 0.0) -> None:
         """confidence_logits [R, γ] of the step (rows that did not draft: anything, unread); `verified`:
         (drafts Algorithm 1 expected accepted, drafts accepted) when the step verified drafts; `survivals`:
         their survival [R, γ] at this gate's temperatures where the caller has it (not computed again);
-        `drafting_seconds`: what its drafting took, where measured (a probe dearer than its price is spaced by
-        what it took: `_probe_due`)."""
+        `drafting_seconds`, `step_seconds`: what a probe's drafting and its whole step (prefill aside) took,
+        where measured (`probe_spacing`)."""
         if plan.probe:
             self._in_flight = False
-        if plan.probe and drafting_seconds > self._probe_seconds:
-            self._probe_seconds, self._probe_after = drafting_seconds, None
+        if plan.declined and len(plan.rows):  # a probe: when the next comes (probe_spacing)
+            self._probed(plan, verified[0] if verified else 0.0, drafting_seconds, step_seconds)
         if verified is not None and verified[0] > 0:
             self.expected_drafts = self.expected_drafts * ACCEPTANCE_DECAY + verified[0]
             self.accepted_drafts = self.accepted_drafts * ACCEPTANCE_DECAY + verified[1]
@@ -360,24 +343,6 @@ class DraftingGate:
             self.pool.extend(survivals[plan.rows])
             self._candidates = None
             self.pool_version += 1
-
-    def _probe_due(self, requests: int) -> bool:
-        """Whether a declined step probes: `probe_interval` steps without drafting, and, after a probe of a few
-        rows, plain steps that cost 1 / `PROBE_SHARE` times its price, its backlog's catch-up included, or what
-        it took where that was more (up to the longest backoff; not while a live cost model finds the drafter
-        slowed: probes are what sees it recover). The doubling backoff counts probes, not their cost: a probe of
-        one row that catches up a 17-54-row backlog took 2.1-2.7 ms beside a 0.9 ms plain step of 4 requests
-        (demo engine; priced 1.4-2.0 ms: the first call of a layout binds it, and the drafter runs cache-cold
-        after the target), so probes every 16-32 steps cost those runs ~7 % (module docstring, probes)."""
-        if self.skipped < self.probe_interval:
-            return False
-        if self._probe_after is None:  # priced once a wait: the prices move little in as many steps
-            self._probe_after = 0
-            if self._probe_seconds and getattr(self.cost, "draft_factor", 1.0) < SLOW_DRAFTER:
-                plain = float(self.cost.verify_seconds(requests, requests))
-                self._probe_after = min(math.ceil(self._probe_seconds / (PROBE_SHARE * plain)),
-                                        MAX_PROBE_BACKOFF * self.probe_every)
-        return self.skipped >= self._probe_after
 
     def observed(self, record: StepRecord, plan: GatePlan) -> StepRecord:
         """The step as the cost model should learn from it: drafting normalised to a normal step of

@@ -12,18 +12,11 @@ import numpy as np
 import pytest
 import torch
 
-from dspark.runtime import drafting_gate
+from dspark.runtime import probe_spacing
 from dspark.runtime.drafter_runner import CONTEXT_ROW_COST, split_calls
-from dspark.runtime.drafting_gate import (
-    DECLINE_STEPS,
-    MAX_ACCEPTANCE_SCALE,
-    MAX_PROBE_BACKOFF,
-    PROBE_SHARE,
-    SLOW_DRAFTER,
-    DraftingGate,
-    GatePlan,
-)
+from dspark.runtime.drafting_gate import DECLINE_STEPS, MAX_ACCEPTANCE_SCALE, DraftingGate, GatePlan
 from dspark.runtime.prefix_scheduler import prefix_schedule, survival
+from dspark.runtime.probe_spacing import FULL_PROBE_EVERY, MAX_PROBE_BACKOFF, PROBE_SHARE, SLOW_DRAFTER
 from dspark.runtime.stats import StepRecord
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -61,7 +54,7 @@ def confident(rows: int, logit: float = 3.0) -> torch.Tensor:
 
 # -- the gate alone ------------------------------------------------------------------------------
 def test_first_step_probes_the_cheapest_rows_when_the_table_says_drafting_cannot_pay(monkeypatch):
-    monkeypatch.setattr(drafting_gate, "PROBE_SHARE", 1e9)  # probes as often as probe_every allows
+    monkeypatch.setattr(probe_spacing, "PROBE_SHARE", 1e9)  # probes as often as probe_every allows
     backlogs = np.array([30, 5, 40, 5, 9, 12, 7, 50])
     assert DraftingGate(DEAR, block_size=GAMMA).plan(backlogs).rows.tolist() == [1]  # by default one row probes
     gate = DraftingGate(DEAR, block_size=GAMMA, probe_rows=4)
@@ -93,7 +86,7 @@ def test_probes_back_off_while_drafting_does_not_pay_and_come_back_once_it_does(
     """Gaps between probes double from probe_every to MAX_PROBE_BACKOFF·probe_every while every probe finds
     drafting unprofitable; a step that drafts every row puts them back to probe_every. (Probes here cost
     nothing against the plain steps between them: the next test is about that.)"""
-    monkeypatch.setattr(drafting_gate, "PROBE_SHARE", 1e9)
+    monkeypatch.setattr(probe_spacing, "PROBE_SHARE", 1e9)
     backlogs = np.array([30, 5, 40, 5, 9, 12, 7, 50])
 
     def gaps(gate: DraftingGate) -> list[int]:
@@ -133,6 +126,45 @@ def test_a_probe_of_a_few_rows_waits_until_the_plain_steps_have_paid_for_it():
     slowed = SimpleNamespace(draft_seconds=cost.draft_seconds, verify_seconds=cost.verify_seconds,
                              draft_factor=SLOW_DRAFTER)
     assert probe_gaps(DraftingGate(slowed, block_size=GAMMA, probe_every=2), backlogs) == [3] * 6
+
+
+def one_request_probe_gaps(gate: DraftingGate, backlog: int, took: float, expected: float,
+                           drafting: float = 0.0) -> list[int]:
+    """Steps between the first 5 probes of one request over 200 steps, each probe's step measured to take `took`
+    seconds (`drafting` of them drafting) and to have verified drafts Algorithm 1 expected `expected` of."""
+    probes = []
+    for step in range(200):
+        plan = gate.plan(np.array([backlog]))
+        if len(plan.rows):
+            probes.append(step)
+            gate.record(plan, confident(1), (expected, 0), drafting_seconds=drafting, step_seconds=took)
+        else:
+            gate.record(plan, None)
+    return [b - a for a, b in pairwise(probes)][:4]
+
+
+def test_one_requests_probe_is_spaced_by_what_it_cost_beyond_plain_decoding():
+    """One request probes itself: a drafting step, its drafts verified. The next comes once the plain steps since
+    have cost its net cost (its time less what plain decoding of the tokens it was expected to yield takes) over
+    PROBE_SHARE, no sooner than FULL_PROBE_EVERY steps, no later than the longest backoff; without doubling."""
+    plain = DEAR.verify_seconds(1, 1)
+    # a probe that cost what its tokens would have (3 tokens: the anchor's, 2 drafts expected): probes come often
+    gaps = one_request_probe_gaps(DraftingGate(DEAR, block_size=GAMMA, probe_every=2), 5, 3 * plain, 2.0)
+    assert gaps == [FULL_PROBE_EVERY + 1] * 4  # (+ the probe step; backing off as probes of a few rows: 3, 5, 9, 17)
+    # 0.52 plain steps dearer: ceil(0.52 / PROBE_SHARE) = 11 plain steps between probes
+    gaps = one_request_probe_gaps(DraftingGate(DEAR, block_size=GAMMA, probe_every=2), 5, 3.52 * plain, 2.0)
+    assert gaps == [12] * 4
+    # far dearer (a slowed drafter): at most the longest backoff apart
+    gaps = one_request_probe_gaps(DraftingGate(DEAR, block_size=GAMMA, probe_every=2), 5, 50 * plain, 2.0)
+    assert gaps == [MAX_PROBE_BACKOFF * 2 + 1] * 4
+    # a backlog's catch-up is the backlog's cost, not drafting's: scaled out as in what the cost model learns
+    gate = DraftingGate(DEAR, block_size=GAMMA, probe_every=2)
+    plan = gate.plan(np.array([40]))
+    assert plan.price > 1.5 * plan.normal  # 32 context rows past a normal step's
+    drafting = 10 * plain  # of which all but normal / price is the catch-up's
+    took = 3 * plain + drafting * (1 - plan.normal / plan.price)
+    assert one_request_probe_gaps(DraftingGate(DEAR, block_size=GAMMA, probe_every=2), 40, took, 2.0,
+                                  drafting) == [FULL_PROBE_EVERY + 1] * 4
 
 
 def test_a_probe_pools_the_survivals_of_its_own_rows_only():

@@ -14,7 +14,7 @@ from conftest import golden_path, load_json
 from test_drafting_gate import CHEAP, DEAR, GAMMA, SplitCost
 
 from dspark.models import load_pair
-from dspark.runtime import drafting_gate
+from dspark.runtime import probe_spacing
 from dspark.runtime.batch_loop import BatchEngine
 from dspark.runtime.capacity import Capacity
 from dspark.runtime.model_info import ModelInfo
@@ -129,7 +129,7 @@ def test_greedy_output_is_the_targets_with_skips_probes_and_arrivals(cost, steps
     (the middle table: drafting pays at 3 rows, not at 6, so the gate drafts, stops, probes, drafts).
     Probes come every probe_every steps here, however dear (PROBE_SHARE), so that this run has some.
     Overlapped, a probe drafts beside plain steps: its rows show in no step's record, its launches count."""
-    monkeypatch.setattr(drafting_gate, "PROBE_SHARE", 1e9)
+    monkeypatch.setattr(probe_spacing, "PROBE_SHARE", 1e9)
     engine, _ = engine_for(cost, slots=6, overlap=overlap)
     launched = launches(engine)
     p = list(prompts())

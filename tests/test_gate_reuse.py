@@ -89,9 +89,9 @@ def test_a_standing_decline_is_reused_unpriced_until_a_probe_is_due_or_it_would_
     """`standing_decline` (the engine asks it while its active rows stay the same): the last plan again, with no
     pricing, while it drafted no row, the pool has not moved, it was reused fewer than DECLINE_STEPS times and no
     probe is due; otherwise None (the engine then calls `plan`)."""
-    import dspark.runtime.drafting_gate as gate_module
+    import dspark.runtime.probe_spacing as spacing_module
 
-    monkeypatch.setattr(gate_module, "PROBE_SHARE", 1e9)  # probes as often as probe_every allows
+    monkeypatch.setattr(spacing_module, "PROBE_SHARE", 1e9)  # probes as often as probe_every allows
     cost = Counting(draft_per_request=1.0, per_token=1e-4)  # drafting never pays
     cost.calls = []
     gate, backlogs = DraftingGate(cost, block_size=GAMMA, probe_every=3), np.full(4, 8)

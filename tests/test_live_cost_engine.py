@@ -124,6 +124,18 @@ def test_engine_stops_drafting_within_32_steps_of_a_4x_slower_drafter_and_resume
     assert np.mean(per_request[48 + react : 112]) < 1.5 < 4 < np.mean(per_request[-48:])
 
 
+def test_one_request_beside_a_far_slower_drafter_probes_as_rarely_as_its_net_cost_allows(monkeypatch):
+    """One request: its probe is a drafting step of the whole batch, priced by what it cost beyond plain decoding.
+    Beside a 16x slower drafter that is ~20 plain steps a probe, so probes come at most the longest backoff apart
+    (before, every 17 steps: 13 probes in the 256 steps below, each ~25 plain steps' time on this device)."""
+    records, _ = run_under([(48, {}), (256, {"drafter": 16.0})], monkeypatch, requests=1)
+    drafted = "".join("d" if r.drafted else "." for r in records)
+    assert drafted[:48] == "d" * 48, drafted  # drafting pays on the idle device
+    react = drafted.index(".", 48) - 48
+    assert react <= 32, drafted
+    assert drafted[48 + react :].count("d") <= 3, drafted  # measured: 3 (the first at FULL_PROBE_EVERY steps)
+
+
 def test_engine_load_factor_follows_a_uniform_2x_slowdown_and_the_schedule_keeps(monkeypatch):
     """Everything 2× slower: the load factor says so within horizon/2 + 1 steps and back as fast;
     the decisions do not change (Θ = τ / t keeps its argmax when every cost doubles)."""

@@ -11,7 +11,7 @@ import pytest
 from test_drafting_gate import DEAR, SplitCost
 from test_drafting_gate_engine import engine_for, greedy, launches, prompts, reference_drafts, run
 
-from dspark.runtime import drafting_gate
+from dspark.runtime import probe_spacing
 from dspark.runtime.probe_overlap import MAX_FLIGHT_STEPS
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -88,7 +88,7 @@ class ObservedCost(SplitCost):
 
 
 def test_every_step_is_learned_once_the_probes_own_at_its_landing(monkeypatch):
-    monkeypatch.setattr(drafting_gate, "PROBE_SHARE", 1e9)  # probes every probe_every steps
+    monkeypatch.setattr(probe_spacing, "PROBE_SHARE", 1e9)  # probes every probe_every steps
     cost = ObservedCost()
     engine, _ = engine_for(cost, overlap=True)
     launched = launches(engine)
@@ -103,7 +103,7 @@ def test_every_step_is_learned_once_the_probes_own_at_its_landing(monkeypatch):
 def test_probes_on_the_worker_draft_what_a_drafter_fed_the_rows_whole_context_drafts(cost, monkeypatch):
     """Probe rows gathered from the slots after skipped steps, drafting beside the steps that add context rows
     to them: each drafted row's block is the reference block of its sequence as the probe was launched."""
-    monkeypatch.setattr(drafting_gate, "PROBE_SHARE", 1e9)
+    monkeypatch.setattr(probe_spacing, "PROBE_SHARE", 1e9)
     engine, _ = engine_for(cost, overlap=True)
     blocks, at_launch = [], []
     launch, propose = engine._launch_probe, engine._propose
@@ -133,7 +133,7 @@ def test_probes_on_the_worker_draft_what_a_drafter_fed_the_rows_whole_context_dr
 def test_no_probe_leaves_the_step_while_a_row_samples(monkeypatch):
     """A sampled row's draws follow which steps drafted, which a resumed engine replays without a probe in flight:
     with one sampling row, probes stay in line."""
-    monkeypatch.setattr(drafting_gate, "PROBE_SHARE", 1e9)
+    monkeypatch.setattr(probe_spacing, "PROBE_SHARE", 1e9)
     engine, _ = engine_for(DEAR, overlap=True)
     launched = launches(engine)
     p = list(prompts())
