@@ -14,7 +14,13 @@ import torch
 
 from dspark.runtime import probe_spacing
 from dspark.runtime.drafter_runner import CONTEXT_ROW_COST, split_calls
-from dspark.runtime.drafting_gate import DECLINE_STEPS, MAX_ACCEPTANCE_SCALE, DraftingGate, GatePlan
+from dspark.runtime.drafting_gate import (
+    CLEAR_DECLINE_STEPS,
+    DECLINE_STEPS,
+    MAX_ACCEPTANCE_SCALE,
+    DraftingGate,
+    GatePlan,
+)
 from dspark.runtime.prefix_scheduler import prefix_schedule, survival
 from dspark.runtime.probe_spacing import FULL_PROBE_EVERY, MAX_PROBE_BACKOFF, PROBE_SHARE, SLOW_DRAFTER
 from dspark.runtime.stats import StepRecord
@@ -283,15 +289,16 @@ def test_a_declined_step_is_not_priced_again_until_something_it_rests_on_moved()
             calls.append(requests)
             return super().draft_seconds(requests)
 
-    gate = DraftingGate(Counting(draft_per_request=1.0, per_token=1e-4), block_size=GAMMA)
+    # drafting never pays: a clear decline, reused for CLEAR_DECLINE_STEPS (a narrow one: test_gate_reuse.py)
+    gate = DraftingGate(Counting(draft_per_request=1.0, per_token=1e-4), block_size=GAMMA, probe_every=1000)
     backlogs = np.full(8, 8)
     gate.record(gate.plan(backlogs), confident(8))  # the first step probes (and prices)
     calls.clear()
-    for step in range(1, 2 + DECLINE_STEPS):  # backlogs grow while nobody drafts: drafting only gets dearer
+    for step in range(1, 2 + CLEAR_DECLINE_STEPS):  # backlogs grow while nobody drafts: drafting only gets dearer
         plan = gate.plan(backlogs + step)
         assert not len(plan.rows)
         gate.record(plan, None)
-    assert len(calls) == 1  # priced once (the probe moved the pool), then reused for DECLINE_STEPS steps ...
+    assert len(calls) == 1  # priced once (the probe moved the pool), then reused ...
     gate.plan(backlogs + 10)
     assert len(calls) == 2  # ... then priced again
     gate.plan(backlogs[:5] + 10)

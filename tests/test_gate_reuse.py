@@ -1,6 +1,6 @@
 """A clear "drafting pays" (by PAYS_MARGIN or more) is reused like a decline: not priced again for up to
 DECLINE_STEPS steps while the rows stay and their backlogs do not grow, and priced at once after a step that
-drafted and bought nothing; a narrow one is priced every step."""
+drafted and bought nothing; a narrow one is priced every step. A clear decline stands longer."""
 
 from __future__ import annotations
 
@@ -8,7 +8,14 @@ import numpy as np
 import pytest
 from test_drafting_gate import GAMMA, SplitCost, confident
 
-from dspark.runtime.drafting_gate import DECLINE_STEPS, PAYS_MARGIN, SWITCH_MARGIN, DraftingGate
+from dspark.runtime.drafting_gate import (
+    CLEAR_DECLINE,
+    CLEAR_DECLINE_STEPS,
+    DECLINE_STEPS,
+    PAYS_MARGIN,
+    SWITCH_MARGIN,
+    DraftingGate,
+)
 
 
 class Counting(SplitCost):
@@ -109,15 +116,37 @@ def test_a_standing_decline_is_reused_unpriced_until_a_probe_is_due_or_it_would_
     assert len(cost.calls) == calls  # ... unpriced
     assert gate.standing_decline() is None and gate.plan(backlogs + 9).probe  # then the probe, through `plan`
 
-    gate = DraftingGate(cost, block_size=GAMMA, probe_every=1000)  # no probe due: DECLINE_STEPS bounds it
+    gate = DraftingGate(cost, block_size=GAMMA, probe_every=1000)  # no probe due: the reuse bound bounds it
     gate.record(gate.plan(backlogs), confident(len(backlogs)))
     declined = gate.plan(backlogs + 1)
     stood = 0
     while gate.standing_decline() is declined:
         stood += 1
         gate.record(declined, None)
-    assert stood == DECLINE_STEPS
+    assert stood == CLEAR_DECLINE_STEPS  # (drafting never pays: a clear decline)
     declined = gate.plan(backlogs + 2)  # priced again: a new decline, which stands ...
     assert gate.standing_decline() is declined
     gate.record(declined, None, (4.0, 1))  # ... until the realised acceptance moves
     assert gate.standing_decline() is None
+
+
+@pytest.mark.parametrize("draft_per_request, clear", [(3e-3, True), (8e-4, False)], ids=["clear", "narrow"])
+def test_a_clear_decline_stands_longer(draft_per_request, clear):
+    """Θ_draft < CLEAR_DECLINE·Θ_plain: reused unpriced for CLEAR_DECLINE_STEPS steps; a narrow decline for
+    DECLINE_STEPS."""
+    cost = Counting(draft_per_request=draft_per_request, per_token=3e-4)
+    cost.calls = []
+    gate = DraftingGate(cost, block_size=GAMMA, prior_acceptance=0.9, probe_every=1000)
+    backlogs = np.full(4, 8)
+    probe = gate.plan(backlogs)
+    assert probe.probe
+    gate.record(probe, confident(len(backlogs), LIKE_THE_PRIOR))
+    with_drafts, plain = gate.throughputs(4, gate.cost.draft_seconds(4))
+    assert with_drafts < plain and (with_drafts < CLEAR_DECLINE * plain) == clear
+    declined = gate.plan(backlogs + 4)
+    assert declined.declined and not len(declined.rows)
+    priced, stood = len(cost.calls), 0
+    while gate.standing_decline() is declined:
+        stood += 1
+        gate.record(declined, None)
+    assert stood == (CLEAR_DECLINE_STEPS if clear else DECLINE_STEPS) and len(cost.calls) == priced
