@@ -30,7 +30,7 @@ such steps cost ~15 ms of a 124 ms run that plain decoding ran in 91.) A clear d
 `DECLINE_STEPS` steps while what it rests on stands (`_still_declined`; `_still_paying`: drafting paid by
 `PAYS_MARGIN`): pricing was most of a one-request step's scheduling time. A clear decline (Θ_draft <
 `CLEAR_DECLINE` × Θ_plain) stands for `CLEAR_DECLINE_STEPS`: a decline was priced every ~6 steps at 4 and 16
-requests (~120-200 µs each, as rows come and go), and the longer reuse took the scheduler from 0.915 to 0.934,
+requests (~120-240 µs each; now every 8-10), and the longer reuse took the scheduler from 0.915 to 0.934,
 0.919 to 0.949 and 0.962 to 0.979 of plain decoding at 4, 16 and 64 requests (demo engine, 11 interleaved runs).
 
 Switching. Once the gate has declined, drafting every row again needs Θ_draft ≥ `SWITCH_MARGIN` × Θ_plain
