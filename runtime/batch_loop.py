@@ -142,40 +142,46 @@ class BatchEngine(ProbeOverlap, EngineRequests):
                 self.gate.admitted(len(new), len(self.active))
         begin = _phase(seconds, "prefill", begin)
         bindings = self.drafter.bindings_made, self.target.bindings_made  # this step's calls: cold if they bind
-        self._retire()
+        if new:  # (a prefill's first token may end a request; every other row was scanned when its step ended)
+            self._retire()
         if not self.active:
             self._step += 1
             return None
-        for a in self.active:
-            if a.generator is not None:
-                a.generator.manual_seed(round_seed(a.seed, len(a.result.tokens)))
+        greedy = not any(a.temperature > 0 for a in self.active)
+        if not greedy:
+            for a in self.active:
+                if a.generator is not None:
+                    a.generator.manual_seed(round_seed(a.seed, len(a.result.tokens)))
         if self.trees is not None:  # draft trees: propose, verify and commit over tree nodes (tree_step)
             record = self.trees.step(len(new), seconds, begin)
             self.stats.record(record)
             self._retire()
             self._step += 1
             return record
-        if not self.scheduler.needs_drafts and not any(a.temperature > 0 for a in self.active):
+        if not self.scheduler.needs_drafts and greedy:
             record = self._plain_step(len(new), seconds, begin)
             self.stats.record(record)
             self._retire()
             self._step += 1
             return record
+        # the same rows as the gate's last step (a list compared by identity): a decline may stand unpriced, and
+        # where every row is greedy the step is plain decoding, before any of the general step's work
+        standing = self.gate.standing_decline() if self.gate is not None and self.active == self._gated else None
+        if standing is not None and greedy:
+            return self._declined_step(standing, len(new), seconds, begin, bindings)
         rows, active = len(self.active), self.active
         anchors = np.fromiter((a.anchor for a in active), np.int64, rows)
         starts = np.fromiter((a.start for a in active), np.int64, rows)
         temperatures = [a.temperature for a in active]
         generators = [a.generator for a in active]
-        block, plan, backlogs = None, None, None
+        block, plan, backlogs = None, standing, None
         drafting = np.arange(rows) if self.scheduler.needs_drafts else np.arange(0)  # rows that draft
         if self.gate is not None:
-            # the same rows as the gate's last step (a list compared by identity): a decline may stand unpriced
-            plan = self.gate.standing_decline() if active == self._gated else None
             if plan is None:
                 backlogs = np.fromiter((a.backlog for a in active), np.int64, rows)
                 plan = self.gate.plan(backlogs)
                 self._gated = list(active)
-            drafting, greedy = plan.rows, not any(temperatures)
+            drafting = plan.rows
             # a probe whose drafts go unverified drafts on the worker while the steps go on (probe_overlap); every
             # row greedy: a sampled row's draws follow the gate's choices, which a restart replays (recovery)
             if plan.probe and self._probe is None and self.scheduler.overlaps_probes and greedy:
@@ -184,10 +190,7 @@ class BatchEngine(ProbeOverlap, EngineRequests):
             elif len(drafting) and self._probe is not None:
                 self._land_probe(seconds)
             if not len(drafting) and greedy:  # declined, every row greedy: plain decoding
-                begin = _phase(seconds, "schedule", begin)  # (the gate's time: a plain step's overhead, not its verify)
-                record = self._plain_step(len(new), seconds, begin)  # (the drafter's context rows kept)
-                self.gate.record(plan, None)
-                return self._finish(record, plan, bindings)
+                return self._declined_step(plan, len(new), seconds, begin, bindings)
         # rows that copy instead, where every row drafts because it pays: a copy replaces a block worth drafting
         copies = (self.lookup.propose(active, self.target_kv.max_len - 1 - int(starts.max()))
                   if self.lookup is not None and len(drafting) == rows and (plan is None or not plan.declined)
@@ -254,6 +257,14 @@ class BatchEngine(ProbeOverlap, EngineRequests):
             drafted=self.scheduler.needs_drafts and len(drafting) == rows,  # a probe's few rows: False
             copied_rows=() if copies is None else tuple(copies.rows.tolist()),
         )
+        return self._finish(record, plan, bindings)
+
+    def _declined_step(self, plan: GatePlan, admitted: int, seconds: dict[str, float], begin: float,
+                       bindings: tuple[int, int]) -> StepRecord:
+        """A step the gate declined, every row greedy: plain decoding, the drafter's context rows kept."""
+        begin = _phase(seconds, "schedule", begin)  # (the gate's time: a plain step's overhead, not its verify)
+        record = self._plain_step(admitted, seconds, begin)
+        self.gate.record(plan, None)
         return self._finish(record, plan, bindings)
 
     def _finish(self, record: StepRecord, plan: GatePlan | None, bindings: tuple[int, int]) -> StepRecord:

@@ -137,6 +137,21 @@ def test_stop_token_ends_request_early():
     assert result.finish_reason == "stop"
 
 
+@pytest.mark.parametrize("ends", ["length", "stop"])
+def test_a_request_its_prefill_ends_leaves_in_that_step(ends):
+    """Its prefill's token ends it: it leaves before any row decodes (no step runs for it, none is wasted)."""
+    target, drafter = random_pair(3, scale=6.0)
+    first = autoregressive_generate(target, [4, 5, 6], max_new_tokens=1)[0]
+    engine = make_engine(target, drafter, mode="dspark")
+    request = engine.submit([4, 5, 6], max_new_tokens=1 if ends == "length" else 20,
+                            stop_token_ids=[first] if ends == "stop" else [])
+    assert engine.step() is None  # the step prefilled it and found no row left to decode
+    result = engine.take_finished()[request]
+    assert result.tokens == [first]
+    assert result.finish_reason == ends
+    assert engine.idle
+
+
 def step_record(step: int, requests: int, tokens: int, seconds: float, *, prefill: float = 0.0,
                 drafted: bool = True) -> StepRecord:
     """A decode step that took `seconds` (spread over the phases) plus `prefill` seconds of prefill."""
