@@ -23,10 +23,12 @@ constant; 0.5 is below what DSpark drafters accept (the demo pair: 0.72–0.89 p
 0.65–0.79 at T = 1, models/demo/README.md), on purpose: a low prior costs at most one step in
 which R − probe_rows rows verify only their anchor, a high one costs the blind full drafting of
 every request that this gate exists to avoid (measured: +116 ms of a 1212 ms run at 64 requests).
-Where the table says drafting clearly pays even at α = 0.5 (by `PAYS_MARGIN`: one request, a
-memory-bound target) the first step drafts every row; otherwise it probes. (A marginal "pays" at the
-first step drafted every row's prompt with fresh, cold graph layouts: at 4 requests on the demo engine two
-such steps cost ~15 ms of a 124 ms run that plain decoding ran in 91.) A clear decision is reused for up to
+Where the table says drafting pays even at α = 0.5, by the switching margin below (`SWITCH_MARGIN`: a
+memory-bound target), the first step drafts every row; otherwise it probes. (Until 2026-12-07 the first step
+asked for `PAYS_MARGIN`: the 100M cost stand-in's prior says 1.24x at 4 requests and 1.18x at 16, where fixed
+γ = 3 runs 1.1-1.4x plain decoding, and its first step probed; drafting there took the scheduler 0.949 → 0.984
+and 0.904 → 0.950 of the best other policy at 4 and 16 requests, 5 interleaved runs of 16-token requests. The
+demo engine's prior says 0.46-0.88x at 1-64 requests: it probes.) A clear decision is reused for up to
 `DECLINE_STEPS` steps while what it rests on stands (`_still_declined`; `_still_paying`: drafting paid by
 `PAYS_MARGIN`): pricing was most of a one-request step's scheduling time. A clear decline (Θ_draft <
 `CLEAR_DECLINE` × Θ_plain) stands for `CLEAR_DECLINE_STEPS`: a decline was priced every ~6 steps at 4 and 16
@@ -187,9 +189,9 @@ class DraftingGate(ProbeSpacing):
             normal = float(self.cost.draft_seconds(requests))
             amortised = catch_up_price(normal, excess, requests, self.catch_up_steps)
             with_drafts, plain = self.throughputs(requests, amortised, drafting=self._drafting)
-            # before any row drafted (no pool) every row drafts only where the prior says it clearly pays
-            switch = 1.0 if self._drafting else SWITCH_MARGIN  # from declined to drafting every row: a margin
-            if with_drafts > switch * plain and (self.pool or with_drafts >= PAYS_MARGIN * plain):
+            # from declined to drafting every row (the first step too, on the prior): a margin
+            switch = 1.0 if self._drafting else SWITCH_MARGIN
+            if with_drafts > switch * plain:
                 self._declined, self._drafting = None, True
                 self._drafting_again()
                 if with_drafts >= PAYS_MARGIN * plain:

@@ -67,8 +67,8 @@ def test_a_narrow_pays_is_priced_every_step():
     backlogs = np.full(4, 8)
     with_drafts, plain = gate.throughputs(4, gate.cost.draft_seconds(4))
     assert SWITCH_MARGIN * plain < with_drafts < PAYS_MARGIN * plain
-    plan = gate.plan(backlogs)  # before any row drafted, a narrow "pays" from the prior alone probes
-    assert plan.probe and len(plan.rows) == gate.probe_rows
+    plan = gate.plan(backlogs)  # before any row drafted, a "pays" by the switching margin drafts every row
+    assert plan.all and not plan.probe
     gate.record(plan, confident(len(backlogs), LIKE_THE_PRIOR))
     calls.clear()
     drafting_steps(gate, backlogs, 4)
@@ -84,9 +84,9 @@ def test_after_a_decline_drafting_every_row_again_needs_the_switching_margin(mon
     monkeypatch.setattr(gate_module, "SWITCH_MARGIN", margin)
     gate, _ = gate_with(per_token=5e-4)  # drafting pays, by less than the margin
     backlogs = np.full(4, 8)
-    probe = gate.plan(backlogs)  # the first step: no pool, a narrow prior gain probes
-    assert probe.probe
-    gate.record(probe, confident(len(backlogs), LIKE_THE_PRIOR))
+    first = gate.plan(backlogs)  # the first step: no pool, a prior gain under the margin probes (the control drafts)
+    assert first.probe == (margin != 1.0)
+    gate.record(first, confident(len(backlogs), LIKE_THE_PRIOR))
     with_drafts, plain = gate.throughputs(4, gate.cost.draft_seconds(4))
     assert plain < with_drafts < SWITCH_MARGIN * plain
     assert gate.plan(backlogs).all == (margin == 1.0)
