@@ -35,6 +35,11 @@ not draft have confidence −inf (survival 0, no candidate); the packed capacity
 row (K* · D_t / D_{t-2}, D the rows that drafted, chosen by the gate from committed history), and a
 step in which nothing drafted makes no decision. Which rows draft never depends on the step's drafts.
 
+**Prompt-lookup copies** (`prompt_lookup.py`) are candidates too, with their request's survivals p^j (up to
+twice the block): a copy is a function of committed tokens, no random draw, and p of earlier steps, so the
+argument below holds with them among the candidates; a step where only copies verify decides from their
+survivals alone.
+
 **Warm-up.** The first two decisions have no history: they are synchronous Algorithm 1 decisions
 (`prefix_schedule`, early stop), which are lossless on their own; their searches still feed the
 capacity of decisions three and four. A "step" here is one `decide` call: an engine step with no
@@ -155,16 +160,17 @@ class AsyncScheduler:
 
     def decide(self, *, confidence_logits: torch.Tensor | None,  # [R, γ]; rows that did not draft: −inf
                step_seconds: StepSeconds | None, survivals: np.ndarray | None = None) -> Decision:
-        if confidence_logits is None:
+        if confidence_logits is None and survivals is None:
             raise SchedulerConfigError("scheduler mode 'async' needs a drafter with a confidence head")
         if step_seconds is None:
             raise SchedulerConfigError("scheduler mode 'async' needs a step cost model")
-        # [R, γ]; `survivals` where the caller has them at these temperatures
+        # [R, L]; `survivals` where the caller has them at these temperatures (prompt-lookup copies among them:
+        # L up to their width; a step where only copies verify has no confidences)
         a = survival(confidence_logits, self.temperatures).numpy() if survivals is None else survivals
         requests, gamma = a.shape
         if requests == 0:
             return Decision((), 0.0, None, 0)
-        drafting = int(np.isfinite(confidence_logits[:, 0].numpy()).sum()) if gamma else 0
+        drafting = int((a[:, 0] > 0).sum()) if gamma else 0  # rows with candidates: survival 0 where none
         if self.padded:  # for the decision `lag` steps on
             searched = (best_depth(a, step_seconds), requests)
         else:

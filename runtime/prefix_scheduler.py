@@ -10,9 +10,9 @@ with a survival ≥ a_{r,j}, never on the draft token x_{r,j} itself (Appendix A
 Modes: `dspark` (Algorithm 1), `async` (§5.2: top-K by current survival, the capacity K from an
 unconstrained search over the confidences of two steps earlier; `async_scheduler.py`), `fixed`
 (γ' tokens), `threshold` (first per-slot confidence below a threshold, DeepSpec's static rule),
-`off` (0 drafts: plain autoregressive decoding). In `dspark` mode with chain drafting, requests may
-verify a prompt-lookup copy instead of a DSpark block (`prompt_lookup`, n = 3 by default; 0: off): the
-copies enter Algorithm 1 as candidates beside the DSpark rows'.
+`off` (0 drafts: plain autoregressive decoding). In `dspark` and `async` modes with chain drafting, requests
+may verify a prompt-lookup copy instead of a DSpark block (`prompt_lookup`, n = 3 by default; 0: off): the
+copies enter Algorithm 1 (or the asynchronous search and ranking) as candidates beside the DSpark rows'.
 
 Algorithm 1 itself (`admit_by_throughput`, `ThroughputRule`) is written once here; the tree node
 scheduler (`tree_builder.node_budgets`, and `build_tree` while it grows a tree) runs the same rule
@@ -97,8 +97,8 @@ class SchedulerConfig:
 
     @property
     def copies_prompts(self) -> bool:
-        """Whether requests may verify prompt-lookup copies (mode `dspark`, chain drafting)."""
-        return self.prompt_lookup > 0 and self.mode == "dspark" and self.drafting == "chain"
+        """Whether requests may verify prompt-lookup copies (modes `dspark` and `async`, chain drafting)."""
+        return self.prompt_lookup > 0 and self.mode in ("dspark", "async") and self.drafting == "chain"
 
     @property
     def needs_cost_model(self) -> bool:

@@ -99,7 +99,8 @@ def test_packed_capacity_is_kept_per_drafting_row():
 
 def async_engine(cost: SplitCost, slots: int = 6, pricing: str = "padded", overlap: bool = False) -> BatchEngine:
     target, drafter = pair()
-    scheduler = SchedulerConfig("async", pricing=pricing, overlap_probes=overlap)
+    # no prompt-lookup copies: the gate's choices alone (a copying row is no drafting row; test_prompt_lookup)
+    scheduler = SchedulerConfig("async", pricing=pricing, overlap_probes=overlap, prompt_lookup=0)
     return BatchEngine(TorchBackend(target, drafter), ModelInfo.from_models(target, drafter),
                        capacity=Capacity(slots, 1 << 16, 1024), scheduler=scheduler, cost_model=cost, kv_mode="concat")
 

@@ -135,7 +135,8 @@ def test_config_rejects_a_negative_n():
         SchedulerConfig("dspark", prompt_lookup=-1)
     with pytest.raises(SchedulerConfigError, match="lookup_tokens"):
         SchedulerConfig("dspark", lookup_tokens=0)
-    assert SchedulerConfig("dspark").copies_prompts and not SchedulerConfig("fixed").copies_prompts
+    assert SchedulerConfig("dspark").copies_prompts and SchedulerConfig("async").copies_prompts
+    assert not SchedulerConfig("fixed").copies_prompts
     assert not SchedulerConfig("dspark", prompt_lookup=0).copies_prompts
 
 
@@ -163,15 +164,16 @@ def decode(pair, scheduler: SchedulerConfig, cost: CostTable, prompts=PROMPTS, n
     return [done[i].tokens for i in ids], engine
 
 
-def test_engine_greedy_output_is_the_targets_and_copies_are_used(pair):
+@pytest.mark.parametrize("mode", ["dspark", "async"])
+def test_engine_greedy_output_is_the_targets_and_copies_are_used(pair, mode):
     plain, _ = decode(pair, SchedulerConfig("off"), device_table())
-    single, engine = decode(pair, SchedulerConfig("dspark", prompt_lookup=3), device_table(), prompts=PROMPTS[:1])
+    single, engine = decode(pair, SchedulerConfig(mode, prompt_lookup=3), device_table(), prompts=PROMPTS[:1])
     assert single == plain[:1]
     assert engine.lookup.copies > 0 and engine.lookup.copies_accepted > engine.lookup.copies  # > 1 draft a copy
     copied = sum(len(s.copied_rows) for s in engine.stats.steps)
     assert copied == engine.lookup.copies
     assert engine.stats.summary()["copied_row_fraction"] == pytest.approx(copied / engine.steps_run)
-    batched, engine = decode(pair, SchedulerConfig("dspark", prompt_lookup=3), device_table())
+    batched, engine = decode(pair, SchedulerConfig(mode, prompt_lookup=3), device_table())
     assert batched == plain
     assert engine.lookup.copies > 0
 
@@ -231,13 +233,13 @@ def test_sampling_rows_decode_beside_copying_greedy_rows(pair):
 EVERY_TOKEN = list(range(VOCAB))  # a prompt where the first sampled token always matches (n = 1)
 
 
-def sampled_copy_counts(target, drafter, requests: int) -> tuple[torch.Tensor, int]:
+def sampled_copy_counts(target, drafter, requests: int, mode: str = "dspark") -> tuple[torch.Tensor, int]:
     """`requests` seeded T = 1 requests of 3 new tokens, every one copying wherever its history has a match
     (n = 1; the DSpark side weighs nothing, verification nearly free) -> counts of (t2, t3) [V, V], copies."""
     vocab = target.config.vocab_size
     engine = BatchEngine(TorchBackend(target, drafter), ModelInfo.from_models(target, drafter),
                          capacity=Capacity(128, 128 * 16, 16),
-                         scheduler=SchedulerConfig("dspark", prompt_lookup=1, gate_drafting=False),
+                         scheduler=SchedulerConfig(mode, prompt_lookup=1, gate_drafting=False),
                          cost_model=StepCostModel(1e-3, 0.0, 1e-9))
     engine.lookup.dspark_accepts = 0.0
     ids = [engine.submit(EVERY_TOKEN, max_new_tokens=3, temperature=1.0, seed=s) for s in range(requests)]
@@ -248,16 +250,17 @@ def sampled_copy_counts(target, drafter, requests: int) -> tuple[torch.Tensor, i
     return counts, engine.lookup.copies
 
 
-def test_sampled_copies_keep_the_targets_law_and_a_wrong_q_is_caught(monkeypatch):
+@pytest.mark.parametrize("mode", ["dspark", "async"])
+def test_sampled_copies_keep_the_targets_law_and_a_wrong_q_is_caught(monkeypatch, mode):
     target, drafter = small_pair()
     law = exact_law_of_tokens_2_and_3(target, 1.0, EVERY_TOKEN)
-    counts, copies = sampled_copy_counts(target, drafter, 4000)
+    counts, copies = sampled_copy_counts(target, drafter, 4000, mode)
     assert copies > 1000  # most requests verified a copy for (t2, t3)
     assert pooled_pvalue(counts, law) > 1e-3
     # the control: copies verified as if drawn uniformly (q = 1/V) instead of copied (q = 1 on the copy)
     monkeypatch.setattr(prompt_lookup, "copy_logits", lambda copies, logits, temperatures, vocab_size: torch.zeros(
         (*copies.tokens.shape, vocab_size)))
-    wrong, _ = sampled_copy_counts(target, drafter, 4000)
+    wrong, _ = sampled_copy_counts(target, drafter, 4000, mode)
     assert pooled_pvalue(wrong, law) < 1e-6
 
 
