@@ -12,6 +12,11 @@ import pytest
 from click.testing import CliRunner
 from conftest import golden_path
 
+from dspark.models import load_pair
+from dspark.runtime.api import Runtime
+from dspark.runtime.model_info import ModelInfo
+from dspark.runtime.prefix_scheduler import SchedulerConfig
+from dspark.runtime.torch_backend import TorchBackend
 from dspark.tools.bench import load_sweep, peers, plots, report, single_stream, subjects
 from dspark.tools.bench.plots import PLOTS
 from dspark.tools.bench.timeline import System, Timeline
@@ -87,6 +92,7 @@ def test_results_schema_and_plots(bench_out: Path) -> None:
                 assert r["max_requests_per_step"] == r["concurrency"]
                 assert 0 < r["tokens"] <= r["requests"] * 6  # a request may stop early at the stop token
                 assert r["aggregate_tokens_per_second"] > 0 and r["per_request_tokens_per_second"] > 0
+                assert r["per_request_decode_tokens_per_second"] > 0  # (up to 6 tokens: some after the first step)
                 # --sweep-repeats' default, three times over at a few requests; the row is the median run
                 assert len(r["aggregate_runs"]) == 3 * load_sweep.SHORT_RUN_REPEATS
                 assert r["aggregate_tokens_per_second"] == sorted(r["aggregate_runs"])[4]
@@ -208,8 +214,9 @@ def test_engine_without_checkpoints(bench_out: Path, tmp_path: Path) -> None:
 
 def _row(c: int, aggregate: float, per_request: float | None = None) -> dict:
     """A made-up sweep row: only what compare, the report and the plots read."""
-    return {"concurrency": c, "aggregate_tokens_per_second": aggregate,
-            "per_request_tokens_per_second": aggregate / c if per_request is None else per_request,
+    per_request = aggregate / c if per_request is None else per_request
+    return {"concurrency": c, "aggregate_tokens_per_second": aggregate, "per_request_tokens_per_second": per_request,
+            "per_request_decode_tokens_per_second": 2 * per_request,
             "mean_drafts_per_request_step": 1.0, "mean_verified_tokens_per_step": 2.0 * c,
             "rejected_draft_fraction": 0.5, "mean_acceptance_length": 2.0, "same_tokens_as_autoregressive": True}
 
@@ -222,6 +229,29 @@ def _made_up_sweep() -> dict[str, list[dict]]:
         "fixed γ=7": [_row(1, 200.0), _row(16, 100.0)],
         "autoregressive": [_row(1, 100.0, per_request=80.0), _row(16, 300.0)],
     }
+
+
+def test_a_requests_decode_speed_runs_from_its_first_token(monkeypatch) -> None:
+    """run_load's per-request decode speed: tokens after the first over the time from the end of the step that
+    admitted (prefilled) the request to the end of the step it finished in, on a clock the test controls."""
+    clock = iter(range(1000))
+
+    def perf_counter() -> float:
+        return float(next(clock))
+
+    target, drafter = load_pair(golden_path("qwen3-tiny-vanilla", "target"),
+                                golden_path("qwen3-tiny-vanilla", "drafter"))
+    runtime = Runtime(TorchBackend(target, drafter), ModelInfo.from_models(target, drafter))
+    monkeypatch.setattr(load_sweep, "time", SimpleNamespace(perf_counter=perf_counter))  # the sweep's clock alone
+    run = load_sweep.run_load(runtime, SchedulerConfig("off"), [[1, 2, 3], [4, 5, 6]], concurrency=1,
+                              max_new_tokens=4, stop=target.config.vocab_size - 1)
+    assert [len(tokens) for tokens in run["outputs"]] == [4, 4]  # (neither met the stop token)
+    # one slot, plain decoding, 4 tokens each: request 1 is prefilled in step 0, which decodes its second token,
+    # and ends in step 2; request 2 is submitted after step 2 and runs steps 3-5. A clock tick per call: begin 0,
+    # submit 1, step ends 2, 3, 4 (then submit 5), 6, 7, 8: each has 2 tokens when its first step ends and decodes 2
+    # more over 2 ticks; from its submission, 4 tokens over 3 ticks
+    assert run["per_request_decode_tokens_per_second"] == pytest.approx(1.0)
+    assert run["per_request_tokens_per_second"] == pytest.approx(4 / 3, abs=0.01)
 
 
 def test_goal_is_the_best_of_autoregressive_and_fixed_gamma() -> None:
@@ -255,6 +285,7 @@ def test_goal_is_the_best_of_autoregressive_and_fixed_gamma() -> None:
     assert ("dspark scheduler: ≥ max(autoregressive, best fixed γ) at 1 of 2 concurrencies (not at 1 requests)"
             in summary)
     assert "per-request speed ÷ autoregressive 2.49× at 1, 1.03× at 16" in summary
+    assert "per-user decode speed ÷ autoregressive 2.49× at 1, 1.03× at 16" in summary
 
 
 def test_load_sweep_shuffles_who_follows_whom(monkeypatch) -> None:

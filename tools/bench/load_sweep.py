@@ -6,6 +6,9 @@ that finishes (between two steps), until all have finished. At 1 request a run i
 one after another, not one prompt's 32 tokens (~30 steps from a cold start, where a prompt the
 drafter fails decided the figure). Measured per run: aggregate tokens/s (all tokens / wall time),
 per-request tokens/s (each request's tokens / the time from its submission to its end, averaged),
+per-request decode tokens/s (its tokens after those of its admission step, the prefill's and that step's
+decode's / the time from the end of that step, when it has its first tokens, to its end, averaged: the paper's
+per-user generation speed, no queueing or prefill in it),
 the verification budget the scheduler chose (draft tokens
 verified per request per step, and tokens B per step), the fraction of verified draft tokens
 the target rejected, and the padding the batched verification paid. Schedulers: DSpark's prefix
@@ -74,9 +77,11 @@ def run_load(base: Runtime, scheduler: SchedulerConfig, prompts: Sequence[list[i
 
     for _ in range(min(concurrency, len(prompts))):
         submit_next()
+    step_ended: list[float] = []  # by engine step: a request's first token came at the end of its admission step
     while not engine.idle:
         engine.step()
         now = time.perf_counter()
+        step_ended.append(now)
         for request_id in engine.finished.keys() - finished_at.keys():
             finished_at[request_id] = now
             if len(ids) < len(prompts):
@@ -88,6 +93,9 @@ def run_load(base: Runtime, scheduler: SchedulerConfig, prompts: Sequence[list[i
     accepted_drafts = sum(sum(s.acceptance_lengths) - s.requests for s in steps)
     tokens = sum(len(r.tokens) for r in results)
     per_request = [len(r.tokens) / (finished_at[r.request_id] - submitted_at[r.request_id]) for r in results]
+    # after its admission step a request has its prefill's token and that step's (1 + acceptance_lengths[0])
+    decode = [(len(r.tokens) - 1 - r.acceptance_lengths[0]) / (finished_at[r.request_id] - step_ended[r.admitted_step])
+              for r in results if r.acceptance_lengths and len(r.tokens) > 1 + r.acceptance_lengths[0]]
     summary = engine.stats.summary()
     return {
         "concurrency": concurrency,
@@ -96,6 +104,7 @@ def run_load(base: Runtime, scheduler: SchedulerConfig, prompts: Sequence[list[i
         "seconds": round(seconds, 4),
         "aggregate_tokens_per_second": round(tokens / seconds, 2),
         "per_request_tokens_per_second": round(sum(per_request) / len(per_request), 2),
+        "per_request_decode_tokens_per_second": round(sum(decode) / len(decode), 2) if decode else None,
         "steps": len(steps),
         "max_requests_per_step": max((s.requests for s in steps), default=0),
         "mean_drafts_per_request_step": round(drafts / max(sum(s.requests for s in steps), 1), 3),
@@ -168,10 +177,10 @@ def compare(sweep: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
     `bar` = the larger of the two, and per scheduler its aggregate and per-request tok/s, their
     ratios to autoregressive, its ratio to the bar and `meets_goal` (aggregate >= bar).
 
-    Also writes `ratio_to_autoregressive` and `per_request_ratio_to_autoregressive` into every row
-    of `sweep` (None where the concurrency has no autoregressive run). A concurrency without an
-    autoregressive or a fixed-γ run compares against what is there; none at all: bar None and
-    `meets_goal` None."""
+    Also writes `ratio_to_autoregressive`, `per_request_ratio_to_autoregressive` and
+    `decode_ratio_to_autoregressive` (per-request decode tok/s) into every row of `sweep` (None where the
+    concurrency has no autoregressive run). A concurrency without an autoregressive or a fixed-γ run compares
+    against what is there; none at all: bar None and `meets_goal` None."""
     by_c: dict[int, dict[str, dict[str, Any]]] = {}
     for name, rows in sweep.items():
         for r in rows:
@@ -182,9 +191,12 @@ def compare(sweep: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
         plain = runs.get(AUTOREGRESSIVE)
         plain_agg = plain["aggregate_tokens_per_second"] if plain else None
         plain_user = plain["per_request_tokens_per_second"] if plain else None
+        plain_decode = plain.get("per_request_decode_tokens_per_second") if plain else None
         for r in runs.values():
             r["ratio_to_autoregressive"] = _ratio(r["aggregate_tokens_per_second"], plain_agg)
             r["per_request_ratio_to_autoregressive"] = _ratio(r["per_request_tokens_per_second"], plain_user)
+            decode = r.get("per_request_decode_tokens_per_second")
+            r["decode_ratio_to_autoregressive"] = None if decode is None else _ratio(decode, plain_decode)
         fixed = {n: r["aggregate_tokens_per_second"] for n, r in runs.items() if n.startswith(FIXED)}
         best_fixed = max(fixed, key=fixed.__getitem__) if fixed else None
         candidates = [v for v in (plain_agg, fixed.get(best_fixed)) if v is not None]
@@ -203,6 +215,8 @@ def compare(sweep: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
                 "per_request_tokens_per_second": r["per_request_tokens_per_second"],
                 "ratio_to_autoregressive": r["ratio_to_autoregressive"],
                 "per_request_ratio_to_autoregressive": r["per_request_ratio_to_autoregressive"],
+                "per_request_decode_tokens_per_second": r.get("per_request_decode_tokens_per_second"),
+                "decode_ratio_to_autoregressive": r["decode_ratio_to_autoregressive"],
                 "ratio_to_bar": _ratio(value, bar),
                 "meets_goal": None if bar is None else value >= bar,
             }

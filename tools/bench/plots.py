@@ -2,7 +2,7 @@
 
 acceptance.png    position-wise conditional acceptance per drafter
 single_stream.png tokens/s of every system at one request
-pareto.png        aggregate tokens/s against per-request tokens/s, one curve per scheduler,
+pareto.png        aggregate tokens/s against per-user decode tokens/s, one curve per scheduler,
                   points labelled with the concurrency (the paper's Fig. 7); one panel per target
 budget.png        tokens verified per step, draft tokens verified per request per step, and the
                   fraction of verified drafts rejected, against concurrency (the paper's Fig. 8);
@@ -82,7 +82,8 @@ def _panels(plt, rows: int, cols: int, width: float, height: float):
 
 
 def pareto_plot(sweeps: list[dict[str, Any]], path: Path) -> Path | None:
-    """One panel per target: aggregate against per-request tokens/s, points labelled with C."""
+    """One panel per target: aggregate tokens/s against per-user decode tokens/s (the paper's per-user generation
+    speed; per-request tokens/s from submission where a run has none), points labelled with C."""
     sweeps = [s for s in sweeps if s.get("schedulers")]
     if not sweeps:
         return None
@@ -90,12 +91,13 @@ def pareto_plot(sweeps: list[dict[str, Any]], path: Path) -> Path | None:
     fig, axes = _panels(plt, 1, len(sweeps), 6, 4.2)
     for ax, sweep in zip(axes[0], sweeps, strict=True):
         for name, rows in sweep["schedulers"].items():
-            x = [r["per_request_tokens_per_second"] for r in rows]
+            x = [r.get("per_request_decode_tokens_per_second") or r["per_request_tokens_per_second"] for r in rows]
             y = [r["aggregate_tokens_per_second"] for r in rows]
             ax.plot(x, y, marker="o", label=name)
             for r, xi, yi in zip(rows, x, y, strict=True):
                 ax.annotate(str(r["concurrency"]), (xi, yi), fontsize=7, xytext=(3, 3), textcoords="offset points")
-        ax.set(xscale="log", yscale="log", xlabel="per-request tokens/s", ylabel="aggregate tokens/s",
+        ax.set(xscale="log", yscale="log", xlabel="per-user decode tokens/s (first token to last)",
+               ylabel="aggregate tokens/s",
                title=f"{sweep['target']}\nthroughput vs per-user speed (labels: requests)")
         ax.legend(fontsize=8)
         ax.grid(alpha=0.3, which="both")
