@@ -290,18 +290,24 @@ def test_goal_is_the_best_of_autoregressive_and_fixed_gamma() -> None:
 
 def test_load_sweep_shuffles_who_follows_whom(monkeypatch) -> None:
     """Every scheduler runs `repeats` times per concurrency (three times that where runs are short), in an order
-    that changes from repeat to repeat."""
+    that changes from repeat to repeat, after one untimed warm-up run of each (short requests, not in the rows)."""
     ran: list[tuple[str, int]] = []
+    warm_ups: list[tuple[str, int]] = []
 
     def fake_run(base, scheduler, batch, *, concurrency, max_new_tokens, stop):
-        ran.append((scheduler.mode if scheduler.mode != "fixed" else f"fixed{scheduler.fixed_length}", concurrency))
+        name = scheduler.mode if scheduler.mode != "fixed" else f"fixed{scheduler.fixed_length}"
+        (warm_ups if max_new_tokens == load_sweep.WARM_UP_TOKENS else ran).append((name, concurrency))
         seconds = 0.1 if concurrency < 64 else 1.0  # short runs at 1 and 4 requests
-        return {"concurrency": concurrency, "aggregate_tokens_per_second": 1.0, "seconds": seconds, "outputs": [[1]]}
+        tokens_per_second = 1e6 if max_new_tokens == load_sweep.WARM_UP_TOKENS else 1.0  # (a warm-up in a row: seen)
+        return {"concurrency": concurrency, "aggregate_tokens_per_second": tokens_per_second, "seconds": seconds,
+                "outputs": [[1]]}
 
     monkeypatch.setattr(load_sweep, "run_load", fake_run)
     base = SimpleNamespace(info=SimpleNamespace(block_size=7, has_confidence=True))
-    rows = load_sweep.load_sweep(base, [[1, 2]], [1, 4, 64], max_new_tokens=2, stop=0, repeats=4, progress=False)
+    rows = load_sweep.load_sweep(base, [[1, 2]], [1, 4, 64], max_new_tokens=8, stop=0, repeats=4, progress=False)
     assert all(len(r) == 3 for r in rows.values()) and len(rows) == 5
+    assert all(r["aggregate_runs"] == [1.0] * len(r["aggregate_runs"]) for rs in rows.values() for r in rs)
+    assert sorted(warm_ups) == sorted((name, c) for c in (1, 4, 64) for name in {name for name, _ in ran})
     for c, runs in ((1, 12), (4, 12), (64, 4)):
         order = [name for name, at in ran if at == c]
         assert len(order) == 5 * runs

@@ -38,6 +38,11 @@ MIN_REQUESTS = 16  # requests per run at least, whatever the concurrency
 # machine's load moves one run by 15-40 %) runs `SHORT_RUN_REPEATS` times the repeats, so that a row's median is
 # as steady as a longer run's (the 100M stand-in's runs there last ~4 s: no more of them)
 SHORT_RUN_SECONDS, SHORT_RUN_REPEATS = 0.5, 3
+# untimed: every scheduler once at each concurrency, requests this short, before the timed rounds. A batch shape's
+# first prefills in a process ran ~2x slower (ONNX Runtime growing its memory): on the 100M stand-in, 16 prompts of
+# 32 tokens took 1.41-1.59 s in the first two runs and 0.75-0.84 s after, half of a 16-request run's time, and
+# landed on whichever scheduler came first
+WARM_UP_TOKENS = 4
 SYNC, ASYNC, AUTOREGRESSIVE = "dspark scheduler", "dspark async scheduler", "autoregressive"
 SCHEDULERS = (SYNC, ASYNC)  # the systems the goal is about
 FIXED = "fixed γ="  # prefix of the fixed-length systems' names
@@ -122,9 +127,10 @@ def load_sweep(base: Runtime, prompts: Sequence[list[int]], concurrency: Sequenc
                desc: str = "load sweep") -> dict[str, list[dict[str, Any]]]:
     """{scheduler name: one row per concurrency}; request i uses prompts[i % len(prompts)], max(C,
     `MIN_REQUESTS`) requests at concurrency C.
-    At each concurrency every scheduler runs `repeats` times (`SHORT_RUN_REPEATS` times that where the first
-    repeats' median run lasted under `SHORT_RUN_SECONDS`), interleaved (scheduler after scheduler, repeat
-    after repeat: a run at a few requests lasts ~0.1 s, where this machine's load moves one run by 15-40 %),
+    At each concurrency every scheduler runs once untimed (`WARM_UP_TOKENS` a request), then `repeats` times
+    (`SHORT_RUN_REPEATS` times that where the first repeats' median run lasted under `SHORT_RUN_SECONDS`),
+    interleaved (scheduler after scheduler, repeat after repeat: a run at a few requests lasts ~0.1 s, where this
+    machine's load moves one run by 15-40 %),
     in an order shuffled per repeat (seeded): in a fixed order each scheduler always
     follows the same one, which can bias its row (one full bench put the synchronous scheduler at 0.82x
     autoregressive at 4 requests, right after autoregressive runs; 7 runs alternating the order, 0.91x,
@@ -150,6 +156,10 @@ def load_sweep(base: Runtime, prompts: Sequence[list[int]], concurrency: Sequenc
             bar.update()
 
     for c in concurrency:
+        bar.set_postfix_str(f"warm-up, {c} requests")
+        for name in configs:
+            run_load(base, configs[name], [prompts[i % len(prompts)] for i in range(max(c, MIN_REQUESTS))],
+                     concurrency=c, max_new_tokens=min(WARM_UP_TOKENS, max_new_tokens), stop=stop)
         for r in range(repeats):
             one_round(c, r)
         if statistics.median(run["seconds"] for name in configs for run in runs[name, c]) < SHORT_RUN_SECONDS:
