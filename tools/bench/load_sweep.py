@@ -146,11 +146,13 @@ def load_sweep(base: Runtime, prompts: Sequence[list[int]], concurrency: Sequenc
     outputs: dict[tuple[str, int], list[list[list[int]]]] = {}
     bar = tqdm(total=len(concurrency) * repeats * len(configs), desc=desc, unit="run", disable=not progress)
 
+    def batch(c: int) -> list[list[int]]:
+        return [prompts[i % len(prompts)] for i in range(max(c, MIN_REQUESTS))]
+
     def one_round(c: int, r: int) -> None:  # every scheduler once, in this round's order
-        batch = [prompts[i % len(prompts)] for i in range(max(c, MIN_REQUESTS))]
         for name in random.Random(f"{c}/{r}").sample(list(configs), len(configs)):
             bar.set_postfix_str(f"{name}, {c} requests")
-            row = run_load(base, configs[name], batch, concurrency=c, max_new_tokens=max_new_tokens, stop=stop)
+            row = run_load(base, configs[name], batch(c), concurrency=c, max_new_tokens=max_new_tokens, stop=stop)
             outputs.setdefault((name, c), []).append(row.pop("outputs"))
             runs.setdefault((name, c), []).append(row)
             bar.update()
@@ -158,8 +160,8 @@ def load_sweep(base: Runtime, prompts: Sequence[list[int]], concurrency: Sequenc
     for c in concurrency:
         bar.set_postfix_str(f"warm-up, {c} requests")
         for name in configs:
-            run_load(base, configs[name], [prompts[i % len(prompts)] for i in range(max(c, MIN_REQUESTS))],
-                     concurrency=c, max_new_tokens=min(WARM_UP_TOKENS, max_new_tokens), stop=stop)
+            run_load(base, configs[name], batch(c), concurrency=c, max_new_tokens=min(WARM_UP_TOKENS, max_new_tokens),
+                     stop=stop)
         for r in range(repeats):
             one_round(c, r)
         if statistics.median(run["seconds"] for name in configs for run in runs[name, c]) < SHORT_RUN_SECONDS:
