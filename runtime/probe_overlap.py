@@ -40,6 +40,10 @@ from .proposer import DraftBlock
 from .stats import StepRecord
 
 MAX_FLIGHT_STEPS = 8  # steps a probe may draft beside at most, whatever its price
+# a probe on the worker took ~2x its price (its drafter cold after the target, the engine's host work on the other
+# core): the first probe of an engine, with no time of its own yet, lands as if it would (one step landed at the
+# next step's start and waited 0.4-0.75 ms for it beside 2 ms steps: demo engine, 16 requests)
+WORKER_SLOWDOWN = 2.0
 
 
 @dataclass
@@ -71,7 +75,7 @@ class ProbeOverlap:
         drafted = probe_worker().submit(self._propose, plan.rows, anchors, starts, temperatures, generators,
                                         phases, time.perf_counter(), contexts)
         step = float(self.cost_model.verify_seconds(plan.requests, plan.requests))  # a plain step's verification
-        took = max(plan.price, self._probe_took)
+        took = max(plan.price, self._probe_took or WORKER_SLOWDOWN * plan.price)
         flight = min(max(math.ceil(took / step), 1), MAX_FLIGHT_STEPS) if step > 0 else 1
         self._probe = ProbeInFlight(plan, drafted, phases, self.drafter.bindings_made, self._step + flight)
         return self.gate.launched(plan)

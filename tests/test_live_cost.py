@@ -3,6 +3,7 @@ number of steps, and moves the schedule when relative costs change; then comes b
 
 from __future__ import annotations
 
+import gc
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 from statistics import median
@@ -307,3 +308,23 @@ def test_prices_move_every_price_refresh_observations_and_are_then_the_models():
             assert price == pytest.approx(reference.seconds(4, 16), rel=1e-12, abs=0)
         before = price
     assert moves and all(step % live_cost.PRICE_REFRESH == 0 for step in moves)
+
+
+def test_live_models_over_one_prior_table_it_once_while_it_lives():
+    """An engine's first step tabled its prior afresh (~0.3 ms of a 2 ms step): live models over one prior share
+    the tables, a split and a whole-step reading of it apart, and they go with the prior."""
+    prior = Split()
+    first, second = LiveStepCost(prior), LiveStepCost(prior)
+    assert first.seconds(4, 16) == pytest.approx(second.seconds(4, 16))
+    assert first._tables is second._tables and 4 in first._tables
+    whole = live_cost.LiveStepCost.__new__(live_cost.LiveStepCost)  # the whole-step reading of a split prior
+    whole.__init__(prior)
+    assert whole._tables is not first._tables
+    other = LiveStepCost(Split())
+    assert other._tables is not first._tables
+    assert other.seconds(4, 16) == pytest.approx(first.seconds(4, 16))
+    key = (id(prior), True)
+    assert key in live_cost._PRIOR_TABLES
+    del prior, first, second, whole
+    gc.collect()
+    assert key not in live_cost._PRIOR_TABLES

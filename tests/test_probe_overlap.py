@@ -5,6 +5,7 @@ with overlapped probes: tests/test_drafting_gate_engine.py, tests/test_async_gat
 
 from __future__ import annotations
 
+import math
 import threading
 
 import pytest
@@ -12,7 +13,7 @@ from test_drafting_gate import DEAR, SplitCost
 from test_drafting_gate_engine import engine_for, greedy, launches, prompts, reference_drafts, run
 
 from dspark.runtime import probe_spacing
-from dspark.runtime.probe_overlap import MAX_FLIGHT_STEPS
+from dspark.runtime.probe_overlap import MAX_FLIGHT_STEPS, WORKER_SLOWDOWN
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -74,6 +75,21 @@ def test_a_probe_lands_when_due_and_before_any_row_leaves():
     for i, q in zip(ids, p[:4], strict=True):
         if i != ids[1]:
             assert done[i].tokens == greedy(tuple(q), 40)
+
+
+def test_an_engines_first_probe_lands_as_if_it_took_twice_its_price():
+    """No probe has been timed yet: it lands when WORKER_SLOWDOWN times its price has passed in plain steps, not
+    its bare price (which a cold first probe overran, and the step it landed in waited)."""
+    cost = SplitCost(draft_per_request=1e-3, per_token=1e-4)  # a 1-row probe: 1 ms; a plain step's verify: 1.4 ms
+    engine, _ = engine_for(cost, overlap=True)
+    for q in list(prompts())[:4]:
+        engine.submit(list(q), max_new_tokens=8)
+    engine.step()
+    probe = engine._probe
+    plain = cost.verify_seconds(4, 4)
+    assert probe is not None and probe.plan.price < plain < WORKER_SLOWDOWN * probe.plan.price
+    assert probe.due == math.ceil(WORKER_SLOWDOWN * probe.plan.price / plain) == 2
+    engine.run_until_done()
 
 
 class ObservedCost(SplitCost):
