@@ -37,7 +37,7 @@ from .kv_tiers import HostTier
 from .live_cost import LiveStepCost
 from .model_info import ModelInfo
 from .model_text import Prompt, Stop, TextMethods
-from .monitor import Monitor
+from .monitor import Monitor, acquire_monitor, release_monitor
 from .ort_backend import OrtBackend
 from .prefix_scheduler import SchedulerConfig
 from .profiling import profile_step_cost
@@ -79,7 +79,7 @@ class Runtime(TextMethods):
                                            requests=options.profile_requests)
         self.cost_model = cost_model
         self.stats = EngineStats()
-        self.monitor = Monitor()  # one sampling thread for the runtime's lifetime
+        self.monitor: Monitor | None = acquire_monitor()  # the process's sampling thread, while this runtime lives
         self.text_dirs = tuple(Path(d) for d in text_dirs)
         self._codec: TextCodec | None = None
         self._engine: BatchEngine | None = None  # generate/stream reuse it: its buffers are sized once
@@ -129,8 +129,15 @@ class Runtime(TextMethods):
         return cls(TorchBackend(target, drafter, device=device), ModelInfo.from_models(target, drafter), options,
                    cost_model, text_dirs=(Path(target_dir),))
 
+    def detach(self) -> None:
+        """Let go of what this runtime holds beside its backend (its share of the monitor): for a runtime over a
+        backend that another runtime owns and closes. Idempotent."""
+        monitor, self.monitor = self.monitor, None
+        if monitor is not None:
+            release_monitor(monitor)
+
     def close(self) -> None:
-        self.monitor.close()
+        self.detach()
         self.backend.close()
 
     def __enter__(self) -> Runtime:

@@ -64,6 +64,37 @@ class Monitor:
             self._latest = self.read_now()  # one reference swap: readers never see a torn reading
 
 
+# The process's monitors, by GPU index, with their users. One, shared: the readings are machine-wide, and
+# psutil.cpu_percent(None) keeps one process-wide baseline, so two monitors would each read the load since the
+# other's last reading. (A runtime built over a shared backend, as the bench's load sweep builds one a run, left
+# a sampling thread behind: 40 after 40 runs, each waking 4 times a second on a 2-core machine.)
+_shared: dict[int, tuple[Monitor, int]] = {}
+_shared_lock = threading.Lock()
+
+
+def acquire_monitor(gpu_index: int = 0) -> Monitor:
+    """The process's monitor of `gpu_index`, started by its first user; give it back with `release_monitor`."""
+    with _shared_lock:
+        monitor, users = _shared.get(gpu_index, (None, 0))
+        if monitor is None:
+            monitor = Monitor(gpu_index)
+        _shared[gpu_index] = (monitor, users + 1)
+        return monitor
+
+
+def release_monitor(monitor: Monitor) -> None:
+    """One user of `monitor` is done; its last stops the thread (a monitor not shared is closed)."""
+    with _shared_lock:
+        for index, (shared, users) in _shared.items():
+            if shared is monitor:
+                if users > 1:
+                    _shared[index] = (shared, users - 1)
+                    return
+                del _shared[index]
+                break
+    monitor.close()
+
+
 def _nvml_handle(index: int):
     try:
         import pynvml  # nvidia-ml-py, in the `tensorrt` extra

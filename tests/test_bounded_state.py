@@ -106,3 +106,43 @@ def test_the_monitor_samples_off_the_decode_path(monkeypatch):
     finally:
         monitor.close()
     assert not monitor._thread.is_alive()
+
+
+def test_runtimes_over_one_backend_share_one_sampling_thread():
+    """A runtime built over a shared backend (the bench's load sweep builds one a run) left its own sampling
+    thread behind: 40 after 40 runs. Every runtime reads the process's one monitor; the last to let go stops it
+    (runtimes of earlier tests that were never closed may still hold it: counted, not assumed away)."""
+    import threading
+
+    from conftest import golden_path
+
+    from dspark.runtime import monitor as monitors
+    from dspark.runtime.api import Runtime, RuntimeOptions
+    from dspark.runtime.prefix_scheduler import SchedulerConfig
+
+    def samplers() -> int:
+        return sum(t.name == "dspark-monitor" and t.is_alive() for t in threading.enumerate())
+
+    def users() -> int:
+        return monitors._shared.get(0, (None, 0))[1]
+
+    root = golden_path("qwen3-tiny-vanilla")
+    options = RuntimeOptions(scheduler=SchedulerConfig("off"), max_requests=1, max_seq_len=64)
+    threads, held = samplers(), users()
+    base = Runtime.from_checkpoints(root / "target", root / "drafter", options)
+    others = [Runtime(base.backend, base.info, options) for _ in range(5)]
+    assert samplers() <= max(threads, 1) and all(o.monitor is base.monitor for o in others)
+    assert users() == held + 6
+    assert others[0].generate([5, 6, 7], max_new_tokens=3) == base.generate([5, 6, 7], max_new_tokens=3)
+    for other in others:
+        other.detach()
+        other.detach()  # idempotent: a second detach releases nothing more
+    assert users() == held + 1 and base.monitor._thread.is_alive()
+    shared = base.monitor
+    base.close()
+    assert users() == held and shared._thread.is_alive() == bool(held)
+    mine = monitors.acquire_monitor()  # the last user's release stops the thread
+    for _ in range(users() - 1):
+        monitors.release_monitor(mine)  # (stand in for those earlier runtimes)
+    monitors.release_monitor(mine)
+    assert not mine._thread.is_alive() and users() == 0

@@ -99,7 +99,7 @@ def measure(engines: dict[str, Path], prompts: list[list[int]], *, max_new_token
                     taus[(scheme, mode)].append(tau)
                     outputs[(scheme, mode)] = texts
                 for mode in ("off", "fixed"):
-                    modes[mode].monitor.close()  # the backend is the dspark runtime's, closed with it
+                    modes[mode].detach()  # the backend is the dspark runtime's, closed with it
         if peer is not None:
             timelines = [peer.generate(prompt, max_new_tokens) for prompt in prompts]
             rates.setdefault(("peer", "greedy"), []).append(

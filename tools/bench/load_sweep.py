@@ -31,6 +31,7 @@ from typing import Any
 from tqdm import tqdm
 
 from dspark.runtime.api import Runtime, RuntimeOptions
+from dspark.runtime.batch_loop import BatchEngine
 from dspark.runtime.prefix_scheduler import SchedulerConfig
 
 MIN_REQUESTS = 16  # requests per run at least, whatever the concurrency
@@ -69,7 +70,16 @@ def run_load(base: Runtime, scheduler: SchedulerConfig, prompts: Sequence[list[i
     docstring)."""
     need = max(len(p) for p in prompts) + max_new_tokens + base.info.block_size + 1
     options = RuntimeOptions(scheduler=scheduler, max_requests=concurrency, max_seq_len=need)
-    engine = Runtime(base.backend, base.info, options, cost_model=base.cost_model).engine()
+    runtime = Runtime(base.backend, base.info, options, cost_model=base.cost_model)
+    try:
+        return _timed_run(runtime.engine(), prompts, concurrency=concurrency, max_new_tokens=max_new_tokens,
+                          stop=stop)
+    finally:
+        runtime.detach()  # the backend is base's
+
+
+def _timed_run(engine: BatchEngine, prompts: Sequence[list[int]], *, concurrency: int, max_new_tokens: int,
+               stop: int) -> dict[str, Any]:
     begin = time.perf_counter()
     submitted_at: dict[int, float] = {}
     finished_at: dict[int, float] = {}

@@ -98,7 +98,7 @@ def loop_efficiency(base: Runtime, prompts: Sequence[list[int]], *, max_new_toke
                 engine_s.append(engine)
                 replay_s.append(replay)
                 ratios.append(replay / engine)
-        runtime.monitor.close()
+        runtime.detach()
         out[mode] = {"efficiency_min": round(float(np.min(ratios)), 3),
                      "efficiency_median": round(float(np.median(ratios)), 3),
                      "engine_ms_median": round(1e3 * float(np.median(engine_s)), 3),
