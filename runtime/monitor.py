@@ -2,11 +2,10 @@
 CPU load through psutil otherwise (and always, for the host).
 
 How live load enters the runtime: every step's record carries the readings (`cpu_percent`,
-`gpu_percent`) next to its measured phase times. The scheduler's capacity estimate SPS(B)
-comes from the step cost model; `BatchEngine.refit_cost_model()` refits that model on the steps
-actually timed under the current load, so a busy machine shifts the per-request versus
-per-token balance the scheduler sees. (A uniform slowdown alone scales SPS by a constant,
-which does not change Algorithm 1's choices — only the predicted tokens/s in the stats.)
+`gpu_percent`) next to its measured phase times. What the scheduler prices with is the live step
+cost model (`live_cost.LiveStepCost`), which follows the load from the step times themselves; the
+readings are there to show the load beside them (stats, the serving dashboard). One monitor per
+process (`acquire_monitor`): the readings are machine-wide.
 """
 
 from __future__ import annotations
