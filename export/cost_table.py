@@ -90,7 +90,8 @@ class CostTable:
         object.__setattr__(self, "_row_cost", self._measured_row_cost())
 
     def _measured_row_cost(self) -> float | None:
-        """Seconds a row adds beyond its tokens past R_max (module docstring); None for a one-batch table."""
+        """Seconds a row adds beyond its tokens past R_max (module docstring); None where no bucket of the last
+        two batch rows was measured in both (a one-batch table)."""
         if len(self.batches) < 2:
             return None
         (previous, last), rows = self.batches[-2:], len(self.batches)

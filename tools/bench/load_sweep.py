@@ -190,8 +190,8 @@ def load_sweep(base: Runtime, prompts: Sequence[list[int]], concurrency: Sequenc
     return rows
 
 
-def _ratio(value: float, base: float | None) -> float | None:
-    return round(value / base, 3) if base else None
+def _ratio(value: float | None, base: float | None) -> float | None:
+    return round(value / base, 3) if base and value is not None else None
 
 
 def compare(sweep: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
@@ -217,8 +217,7 @@ def compare(sweep: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
         for r in runs.values():
             r["ratio_to_autoregressive"] = _ratio(r["aggregate_tokens_per_second"], plain_agg)
             r["per_request_ratio_to_autoregressive"] = _ratio(r["per_request_tokens_per_second"], plain_user)
-            decode = r.get("per_request_decode_tokens_per_second")
-            r["decode_ratio_to_autoregressive"] = None if decode is None else _ratio(decode, plain_decode)
+            r["decode_ratio_to_autoregressive"] = _ratio(r.get("per_request_decode_tokens_per_second"), plain_decode)
         fixed = {n: r["aggregate_tokens_per_second"] for n, r in runs.items() if n.startswith(FIXED)}
         best_fixed = max(fixed, key=fixed.__getitem__) if fixed else None
         candidates = [v for v in (plain_agg, fixed.get(best_fixed)) if v is not None]
