@@ -48,6 +48,8 @@ def random_feeds(
             feeds[t.name] = np.full(shape, total - 1 if t.name == "seqlens_k" else total, dtype=np.int32)
         elif t.name == "context_lengths":  # fused drafter backbone: every row's context is `past` + the new rows
             feeds[t.name] = np.full(shape, sizes["past"] + sizes["tokens"], dtype=np.int64)
+        elif t.name in ("token_index", "logits_index"):  # packed target: every token real, logits everywhere
+            feeds[t.name] = np.arange(shape[0], dtype=np.int64)
         elif t.name == "logits_rows":  # fused target: logits at positions 0 .. logit_tokens-1 of every row
             feeds[t.name] = np.tile(np.arange(shape[-1], dtype=np.int64), (*shape[:-1], 1))
         elif t.name.endswith("position_ids"):

@@ -43,6 +43,9 @@ def target_sizes(graph: str, batch: int, tokens: int, past: int) -> dict[str, in
         return {"batch": batch, "tokens": tokens, "capacity": past}
     if graph == C.TARGET_FUSED:  # the shared past/present buffer holds the past and the new tokens
         return {"batch": batch, "tokens": tokens, "past": past, "capacity": past + tokens}
+    if graph == C.TARGET_FUSED_PACKED:  # every token real: B = R·W packed tokens, logits at each
+        return {"batch": batch, "tokens": tokens, "past": past, "capacity": past + tokens,
+                "packed_tokens": batch * tokens, "logit_tokens": batch * tokens}
     return {"batch": batch, "tokens": tokens, "past": past}
 
 
@@ -66,7 +69,7 @@ def measure_table(
     repeats: int = 5,
     progress: Callable[[str], None] | None = None,
 ) -> CostTable:
-    """One `CostTable` for `target_graph` (C.TARGET, C.TARGET_STATIC or C.TARGET_FUSED)."""
+    """One `CostTable` for `target_graph` (C.TARGET, C.TARGET_STATIC, C.TARGET_FUSED or C.TARGET_FUSED_PACKED)."""
     verify = []
     for r in batches:
         row: list[float | None] = []
@@ -126,7 +129,7 @@ def profile_section(
         graph: measure_table(run, specs, target_graph=graph, vocab_size=vocab_size, block_size=block_size,
                              batches=batches, buckets=buckets, past=past, warmup=warmup, repeats=repeats,
                              progress=progress).to_dict()
-        for graph in (C.TARGET, C.TARGET_STATIC, C.TARGET_FUSED)
+        for graph in (C.TARGET, C.TARGET_STATIC, C.TARGET_FUSED, C.TARGET_FUSED_PACKED)
         if graph in specs
     }
     return {

@@ -42,7 +42,7 @@ from .external_weights import SPILL_BYTES, WeightStream, is_external
 
 SCHEMES = QUANT_SCHEMES  # {"int4": 4, "int8": 8}, as engine.json's schema checks it
 QUANTIZER = "onnxruntime.quantization.matmul_nbits_quantizer.MatMulNBitsQuantizer"
-TARGET_GRAPHS = (C.TARGET, C.TARGET_STATIC, C.TARGET_FUSED, C.TARGET_FUSED_TREE)
+TARGET_GRAPHS = (C.TARGET, C.TARGET_STATIC, C.TARGET_FUSED, C.TARGET_FUSED_TREE, C.TARGET_FUSED_PACKED)
 # MatMulNBits' accuracy_level 0 keeps float32 activations: a 1-token call and a 64-token call of the
 # same quantized graph then agree to ~1e-5, as float32 graphs do. Level 4 (int8 activations, the fast
 # CPU path onnxruntime-genai's builder picks) takes other kernels for other row counts: measured

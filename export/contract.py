@@ -93,13 +93,14 @@ TARGET = "target"
 TARGET_STATIC = "target_static"
 TARGET_FUSED = "target_fused"
 TARGET_FUSED_TREE = "target_fused_tree"
+TARGET_FUSED_PACKED = "target_fused_packed"
 BACKBONE = "drafter_backbone"
 BACKBONE_FUSED = "drafter_backbone_fused"
 HEAD_STEP = "drafter_head_step"
 HEAD_GREEDY = "drafter_head_greedy"
 DRAFT_GREEDY_FUSED = "drafter_draft_greedy_fused"
 # how the runtime holds the target's keys/values -> the target graph that mode drives
-KV_MODE_GRAPHS = {"fused": TARGET_FUSED, "static": TARGET_STATIC, "concat": TARGET}
+KV_MODE_GRAPHS = {"packed": TARGET_FUSED_PACKED, "fused": TARGET_FUSED, "static": TARGET_STATIC, "concat": TARGET}
 
 DTYPES = ("float32", "float16", "bfloat16")
 
@@ -199,28 +200,38 @@ def target_static_spec(config: TargetConfig, feature_size: int, dtype: str) -> G
     )
 
 
-def target_fused_spec(config: TargetConfig, feature_size: int, dtype: str, tree: bool = False) -> GraphSpec:
-    """`target_fused.onnx` (`target_fused_tree.onnx` with `tree`): past and present K/V are the same
-    bound buffer (`capacity` slots)."""
+def target_fused_spec(config: TargetConfig, feature_size: int, dtype: str, tree: bool = False,
+                      packed: bool = False) -> GraphSpec:
+    """`target_fused.onnx` (`target_fused_tree.onnx` with `tree`, `target_fused_packed.onnx` with `packed`):
+    past and present K/V are the same bound buffer (`capacity` slots). The packed graph also takes
+    `token_index` [T], the flat indices into [batch·tokens] of the real tokens (row-major, ascending):
+    its projections, MLPs and LM head run on those T tokens only. Its logits and greedy ids are packed,
+    [1, N, V] and [1, N] at `logits_index` [N] (indices into the T tokens); its context features and
+    K/V are the chain graph's."""
     tree_inputs = (
         TensorSpec("position_ids", "int64", ("batch", "tokens")),
         TensorSpec("attention_mask", "bool", ("batch", 1, "tokens", "total_sequence_length")),
     ) if tree else ()
     logit_tokens = "tokens" if tree else "logit_tokens"
+    # the packed graph's logits: at `logits_index` [N] (indices into the T packed tokens), [1, N, V]
+    logits_in = TensorSpec("logits_index", "int64", (logit_tokens,)) if packed else \
+        TensorSpec("logits_rows", "int64", ("batch", logit_tokens))
+    logits_rows = (1, logit_tokens) if packed else ("batch", logit_tokens)
     return GraphSpec(
-        TARGET_FUSED_TREE if tree else TARGET_FUSED,
+        TARGET_FUSED_TREE if tree else TARGET_FUSED_PACKED if packed else TARGET_FUSED,
         inputs=(
             TensorSpec("input_ids", "int64", ("batch", "tokens")),
+            *((TensorSpec("token_index", "int64", ("packed_tokens",)),) if packed else ()),
             TensorSpec("seqlens_k", "int32", ("batch",)),
             TensorSpec("total_sequence_length", "int32", ()),
             *tree_inputs,
             *_kv("past_key_values", config, "capacity", dtype),
-            *(() if tree else (TensorSpec("logits_rows", "int64", ("batch", logit_tokens)),)),
+            *(() if tree else (logits_in,)),
         ),
         outputs=(
-            TensorSpec("logits", dtype, ("batch", logit_tokens, config.vocab_size)),
+            TensorSpec("logits", dtype, (*logits_rows, config.vocab_size)),
             TensorSpec("context_features", dtype, ("batch", "tokens", feature_size)),
-            TensorSpec("greedy_ids", "int64", ("batch", logit_tokens)),
+            TensorSpec("greedy_ids", "int64", logits_rows),
             *_kv("present", config, "capacity", dtype),
         ),
     )

@@ -52,6 +52,7 @@ class SharedKVRunner:
         self._bind_input("seqlens_k", self._seqlens)
         self._bind_input("total_sequence_length", self._total)
         self.tree = "position_ids" in types
+        self.packed = "token_index" in types
         self._all_rows = "logits_rows" in types  # logits at every position (exports before it had no input)
         outputs = {t.name: t for t in spec.outputs}
         self._vocab, self._features = outputs["logits"].dims[2], outputs["context_features"].dims[2]
@@ -81,10 +82,12 @@ class SharedKVRunner:
             self._bound_width = tokens
         return ids, logits, features
 
-    def step(self, input_ids, past_lengths, position_ids=None, attention_mask=None) -> tuple[np.ndarray, np.ndarray]:
+    def step(self, input_ids, past_lengths, position_ids=None, attention_mask=None,
+             counts=None) -> tuple[np.ndarray, np.ndarray]:
         """input_ids [batch, tokens] int; past_lengths [batch] int (each row's committed slots).
         Tree graphs also take position_ids [batch, tokens] and attention_mask [batch, 1, tokens,
-        max(past_lengths) + tokens] bool over absolute slots."""
+        max(past_lengths) + tokens] bool over absolute slots. The packed graph computes the first
+        counts[b] tokens of each row (None: every token); its padding rows come back zero."""
         input_ids = np.asarray(input_ids)
         past = np.asarray(past_lengths, dtype=np.int64)
         if input_ids.shape[0] != self.batch or past.shape != (self.batch,):
@@ -103,8 +106,27 @@ class SharedKVRunner:
                                 np.ascontiguousarray(attention_mask, dtype=bool))
             self.io.bind_cpu_input("position_ids", self._tree_feeds[0])
             self.io.bind_cpu_input("attention_mask", self._tree_feeds[1])
+        if self.packed:  # kept on self, as the tree feeds; logits at every real token
+            real = np.full(self.batch, tokens) if counts is None else np.asarray(counts, dtype=np.int64)
+            self._token_index = token_index(real, tokens)
+            self._logits_index = np.arange(self._token_index.size, dtype=np.int64)
+            arrays = (np.empty((1, self._token_index.size, self._vocab), self._float),
+                      np.empty((1, self._token_index.size), np.int64))
+            self._packed = (arrays, [ort.OrtValue.ortvalue_from_numpy(a) for a in arrays])
+            self.io.bind_cpu_input("token_index", self._token_index)
+            self.io.bind_cpu_input("logits_index", self._logits_index)
+            self.io.bind_ortvalue_output("logits", self._packed[1][0])
+            self.io.bind_ortvalue_output("greedy_ids", self._packed[1][1])
         self.session.run_with_iobinding(self.io)
+        if self.packed:  # [1, T, V] -> the padded rows (padding zero)
+            logits.fill(0)
+            logits.reshape(-1, self._vocab)[self._token_index] = self._packed[0][0][0]
         return logits, features
+
+
+def token_index(counts: np.ndarray, width: int) -> np.ndarray:
+    """The packed graph's `token_index`: flat indices into [rows·width] of each row's first counts[r] tokens."""
+    return np.flatnonzero(np.arange(width)[None, :] < np.asarray(counts)[:, None]).astype(np.int64)
 
 
 # Parity sweep (export.json): rows of different lengths through one shared buffer, each checked
@@ -173,7 +195,8 @@ def fused_parity(session, spec: C.GraphSpec, model: TargetModel, dtype: str, see
         for b, ran in enumerate(new):
             ids[b, : len(ran)] = ran
         pasts = [len(r) for r in rows]
-        logits, features = runner.step(ids, pasts, *(causal_slots(pasts, width) if runner.tree else ()))
+        logits, features = runner.step(ids, pasts, *(causal_slots(pasts, width) if runner.tree else (None, None)),
+                                       counts=[len(ran) for ran in new])
         for b, (past, ran) in enumerate(zip(rows, new, strict=True)):
             ref, n = reference(past + ran), len(ran)
             check("logits", logits[b, :n], ref.logits[0, -n:])

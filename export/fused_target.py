@@ -69,6 +69,7 @@ from dspark.models import TargetModel
 from . import contract as C
 from .lower import TWO_GB, ExportError
 from .onnx_builder import (
+    ELEM,
     HEAD_DIM_MULTIPLE,
     MS_DOMAIN,
     TORCH_DTYPES,
@@ -99,17 +100,20 @@ def check_fusable(model: TargetModel, dtype: str) -> None:
 
 
 def build_fused_target(model: TargetModel, dtype: str = "float32", *, opset: int = 17,
-                       max_positions: int | None = None, tree: bool = False) -> onnx.ModelProto:
+                       max_positions: int | None = None, tree: bool = False, packed: bool = False) -> onnx.ModelProto:
     """The fused target graph of `model` (I/O: `contract.target_fused_spec`), weights cast to `dtype`.
 
     `max_positions` is the number of rows of the rotary cos/sin caches, i.e. one more than the
     largest position the graph can be fed (default: the config's `max_position_embeddings`).
     `tree=True` builds `target_fused_tree` (see `contract.target_fused_spec`): explicit position ids
-    and a bool mask over absolute cache slots, for flattened draft trees.
+    and a bool mask over absolute cache slots, for flattened draft trees. `packed=True` builds
+    `target_fused_packed`: the chain graph over the real tokens only (`Packing`).
     """
     check_fusable(model, dtype)
+    if tree and packed:
+        raise ExportError("fused target: the tree variant takes its nodes padded; build it without packed=True")
     c = model.config
-    spec = C.target_fused_spec(c, len(model.context_layer_ids) * c.hidden_size, dtype, tree=tree)
+    spec = C.target_fused_spec(c, len(model.context_layer_ids) * c.hidden_size, dtype, tree=tree, packed=packed)
     nh, kvh, hd, eps = c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps
     b = GraphBuilder(dtype)
     norm_attrs = {"epsilon": eps, "axis": -1, "stash_type": 1}
@@ -140,8 +144,10 @@ def build_fused_target(model: TargetModel, dtype: str = "float32", *, opset: int
                        "attention_bias/Where")
         tree_inputs = ["position_ids", bias]
 
+    packing = Packing(b) if packed else None
     with torch.no_grad():
-        (x,) = b.op("Gather", [b.weight("embed_tokens.weight", model.embed_tokens.weight), "input_ids"],
+        ids = "input_ids" if packing is None else packing.ids()
+        (x,) = b.op("Gather", [b.weight("embed_tokens.weight", model.embed_tokens.weight), ids],
                     "embed_tokens/Gather")
         features = {-1: x}
         (h,) = b.op("SimplifiedLayerNormalization", [x, b.weight("layers.0.input_layernorm.weight",
@@ -150,6 +156,8 @@ def build_fused_target(model: TargetModel, dtype: str = "float32", *, opset: int
             p, a = f"layers.{i}", layer.self_attn
             qkv = linear(b, h, [a.q_proj.weight, a.k_proj.weight, a.v_proj.weight],
                           [a.q_proj.bias, a.k_proj.bias, a.v_proj.bias], f"{p}/qkv_proj")
+            if packing is not None:
+                qkv = packing.unpack(qkv, (nh + 2 * kvh) * hd, f"{p}/qkv_unpack")
             if c.qk_norm:
                 q, k, v = b.op("Split", [qkv, qkv_split], f"{p}/qkv_split", outputs=3, axis=-1)
                 q = head_norm(b, q, head_shape, q_shape, a.q_norm.weight, f"{p}/q_norm", norm_attrs)
@@ -165,6 +173,8 @@ def build_fused_target(model: TargetModel, dtype: str = "float32", *, opset: int
                 domain=MS_DOMAIN, num_heads=nh, kv_num_heads=kvh, scale=hd**-0.5, do_rotary=1,
                 rotary_interleaved=0, local_window_size=-1,
             )
+            if packing is not None:
+                attn = packing.pack(attn, nh * hd, f"{p}/attn_pack")
             o = linear(b, attn, [a.o_proj.weight], [a.o_proj.bias], f"{p}/o_proj")
             h2, _, _, r = b.op("SkipSimplifiedLayerNormalization",
                                [x, o, b.weight(f"{p}.post_attention_layernorm.weight",
@@ -188,14 +198,21 @@ def build_fused_target(model: TargetModel, dtype: str = "float32", *, opset: int
                               [r, down, b.weight(f"{name}.weight", norm.weight)], name.replace(".input", "/input"),
                               outputs=[f"{name}/out", "", "", f"layers.{i}/output"], domain=MS_DOMAIN, epsilon=eps)
             features[i] = x
-        if not tree:  # the positions logits are asked for: [B, T, H] -> [B, k, H]
+        if packing is not None:  # the positions logits are asked for: [1, T, H] -> [1, N, H]
+            (h,) = b.op("Gather", [h, "logits_index"], "logits_index/Gather", axis=1)
+        elif not tree:  # the positions logits are asked for: [B, T, H] -> [B, k, H]
             (rows,) = b.op("Unsqueeze", ["logits_rows", b.const("axes/last", [-1])], "logits_rows/Unsqueeze")
             (h,) = b.op("GatherND", [h, rows], "logits_rows/GatherND", batch_dims=1)
         b.op("MatMul", [h, b.weight("lm_head.weight", model.lm_head.weight.T)], "lm_head", outputs=["logits"])
         # greedy verification reads [batch, tokens] ids, not [batch, tokens, V] logits (first maximum, as
         # numpy and torch pick it)
         b.op("ArgMax", ["logits"], "greedy/ArgMax", outputs=["greedy_ids"], axis=-1, keepdims=0, select_last_index=0)
-    _context_features(b, [features[i] for i in model.context_layer_ids], x)
+    if packing is None:
+        _context_features(b, [features[i] for i in model.context_layer_ids], x)
+    else:
+        _context_features(b, [features[i] for i in model.context_layer_ids], x, "context_features/packed")
+        packing.unpack("context_features/packed", spec.outputs[1].dims[2], "context_features/unpack",
+                       out="context_features")
 
     graph = helper.make_graph(
         b.nodes, spec.name, [value_info(t) for t in spec.inputs], [value_info(t) for t in spec.outputs],
@@ -208,19 +225,63 @@ def build_fused_target(model: TargetModel, dtype: str = "float32", *, opset: int
     )
 
 
-def _context_features(b: GraphBuilder, parts: list[str], any_hidden: str) -> None:
+def _context_features(b: GraphBuilder, parts: list[str], any_hidden: str, out: str = "context_features") -> None:
     if len(parts) > 1:
-        b.op("Concat", parts, "context_features/Concat", outputs=["context_features"], axis=-1)
+        b.op("Concat", parts, "context_features/Concat", outputs=[out], axis=-1)
     elif parts:
-        b.op("Identity", parts, "context_features/Identity", outputs=["context_features"])
+        b.op("Identity", parts, "context_features/Identity", outputs=[out])
     else:  # no context layers: [B, T, 0]
         zero, axis = b.const("context_features/zero", [0]), b.const("context_features/axis", [2])
-        b.op("Slice", [any_hidden, zero, zero, axis], "context_features/Slice", outputs=["context_features"])
+        b.op("Slice", [any_hidden, zero, zero, axis], "context_features/Slice", outputs=[out])
+
+
+class Packing:
+    """The packed graph's two moves between [B, W, D] rows and the [1, T, D] real tokens (`token_index`,
+    flat row-major indices of the real tokens): the projections, norms and MLPs run on the T tokens, and
+    GroupQueryAttention, the logits' row selection and the context features on [B, W, D] rows (padding
+    rows zero). A step that verifies ℓ_r drafts on row r computes Σ(1 + ℓ_r) tokens, not B·(1 + max ℓ)
+    (the paper's §5.3)."""
+
+    def __init__(self, b: GraphBuilder) -> None:
+        self.b = b
+        (self.grid,) = b.op("Shape", ["input_ids"], "packing/grid")  # [B, W]
+        (self.flat,) = b.op("ReduceProd", [self.grid], "packing/flat", keepdims=1)  # [B·W]
+        (self.index,) = b.op("Unsqueeze", ["token_index", b.const("packing/axes_last", [-1])], "packing/index")
+        self.front = b.const("packing/axes_front", [0])
+
+    def ids(self) -> str:
+        """input_ids [B, W] -> the real tokens' ids [1, T]."""
+        b = self.b
+        (flat,) = b.op("Reshape", ["input_ids", b.const("packing/shape_flat", [-1])], "packing/ids_flat")
+        (ids,) = b.op("Gather", [flat, "token_index"], "packing/ids_gather")
+        (ids,) = b.op("Unsqueeze", [ids, self.front], "packing/ids")
+        return ids
+
+    def pack(self, x: str, width: int, name: str) -> str:
+        """[B, W, width] -> [1, T, width]."""
+        b = self.b
+        (flat,) = b.op("Reshape", [x, b.const(f"{name}/shape", [-1, width])], f"{name}/Reshape")
+        (y,) = b.op("Gather", [flat, "token_index"], f"{name}/Gather")
+        (y,) = b.op("Unsqueeze", [y, self.front], f"{name}/Unsqueeze")
+        return y
+
+    def unpack(self, x: str, width: int, name: str, out: str | None = None) -> str:
+        """[1, T, width] -> [B, W, width], padding rows zero."""
+        b = self.b
+        width_dims = b.const(f"{name}/width", [width])
+        (tokens,) = b.op("Reshape", [x, b.const(f"{name}/shape", [-1, width])], f"{name}/Reshape")
+        (shape,) = b.op("Concat", [self.flat, width_dims], f"{name}/shape_flat", axis=0)
+        zero = helper.make_tensor("value", ELEM[self.b.dtype], [1], [0.0])
+        (zeros,) = b.op("ConstantOfShape", [shape], f"{name}/zeros", value=zero)
+        (rows,) = b.op("ScatterND", [zeros, self.index, tokens], f"{name}/ScatterND")
+        (grid,) = b.op("Concat", [self.grid, width_dims], f"{name}/shape_grid", axis=0)
+        (y,) = b.op("Reshape", [rows, grid], f"{name}/Reshape_out", outputs=[out or f"{name}/out"])
+        return y
 
 
 def export_fused_target(model: TargetModel, out_dir: str | Path, dtype: str = "float32", *, opset: int = 17,
                         external_data_threshold: int = TWO_GB, max_positions: int | None = None,
-                        tree: bool = False) -> list[Path]:
+                        tree: bool = False, packed: bool = False) -> list[Path]:
     """Build and write the fused target graph of `model` into `out_dir`; returns the written files."""
-    graph = build_fused_target(model, dtype, opset=opset, max_positions=max_positions, tree=tree)
+    graph = build_fused_target(model, dtype, opset=opset, max_positions=max_positions, tree=tree, packed=packed)
     return save_graph(graph, Path(out_dir), external_data_threshold=external_data_threshold)

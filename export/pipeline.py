@@ -237,16 +237,19 @@ class FusedGraph:
 
 def fused_graphs(target: TargetModel, drafter: DSparkDrafter, dtype: str, opset: int, out_dir: Path,
                  external_data_threshold: int) -> list[FusedGraph]:
-    """`target_fused`, `target_fused_tree`, `drafter_backbone_fused` and `drafter_draft_greedy_fused`, in the order
-    they are written (parity against float32 models: see fused_parity.TOLERANCE)."""
+    """`target_fused`, `target_fused_tree`, `target_fused_packed`, `drafter_backbone_fused` and
+    `drafter_draft_greedy_fused`, in the order they are written (parity against float32 models: see
+    fused_parity.TOLERANCE)."""
     out: list[FusedGraph] = []
     reference = target if dtype == "float32" else copy.deepcopy(target).float()
-    for tree in (False, True):
-        spec = C.target_fused_spec(target.config, drafter.config.context_feature_size, dtype, tree=tree)
+    for tree, packed in ((False, False), (True, False), (False, True)):
+        spec = C.target_fused_spec(target.config, drafter.config.context_feature_size, dtype, tree=tree,
+                                   packed=packed)
         out.append(FusedGraph(
             spec, lambda: check_fusable(target, dtype),
-            lambda tree=tree: export_fused_target(target, out_dir, dtype, opset=opset, tree=tree,
-                                                  external_data_threshold=external_data_threshold),
+            lambda tree=tree, packed=packed: export_fused_target(
+                target, out_dir, dtype, opset=opset, tree=tree, packed=packed,
+                external_data_threshold=external_data_threshold),
             lambda sess, spec=spec: fused_parity(sess, spec, reference, dtype)))
     spec = C.backbone_fused_spec(drafter.config, DEFAULT_PLACEMENT, dtype)
     drafter_reference = drafter if dtype == "float32" else copy.deepcopy(drafter).float()

@@ -62,8 +62,8 @@ def _phase(seconds: dict[str, float], name: str, begin: float) -> float:
 class BatchEngine(ProbeOverlap, EngineRequests):
     """Continuous batching over a `Backend` with the export contract's graphs.
 
-    `kv_mode` picks the target graph and how its keys/values are held (`target_runner`): `fused`
-    (in place, the default wherever the export has the fused graph), `static` or `concat`; None
+    `kv_mode` picks the target graph and how its keys/values are held (`target_runner`): `packed` or
+    `fused` (in place, the default wherever the export has the fused graphs), `static` or `concat`; None
     takes the best the backend has. Only accepted entries are ever counted as committed.
     """
 
@@ -81,12 +81,14 @@ class BatchEngine(ProbeOverlap, EngineRequests):
         host_tier: HostTier | None = None,
     ) -> None:
         self.kv_mode = kv_mode_for(backend, kv_mode)
+        if scheduler.pricing is None:  # priced as the target computes: the packed graph its real tokens only
+            scheduler = replace(scheduler, pricing="packed" if self.kv_mode == "packed" else "padded")
         self.backend, self.info, self.scheduler = backend.open(), info, scheduler  # its owner closes it
         self.cost_model, self.monitor = cost_model, monitor
         self.planner = StepScheduler(scheduler)
         self.gate = (DraftingGate(cost_model, block_size=info.block_size,
                                   temperatures=scheduler.confidence_temperatures,
-                                  padded=scheduler.pricing == "padded")
+                                  padded=scheduler.padded)
                      if scheduler.mode in ("dspark", "async") and scheduler.gate_drafting
                      and isinstance(cost_model, SplitStepCost)
                      else None)
@@ -197,7 +199,7 @@ class BatchEngine(ProbeOverlap, EngineRequests):
                   else None)
         # a probe under padded verification verifies anchors only: it is there for the drafted rows'
         # confidences (the gate's pool), and their drafts would pad every row to their width
-        probe_only = plan is not None and plan.probe and self.scheduler.pricing == "padded"
+        probe_only = plan is not None and plan.probe and self.scheduler.padded
         if copies is not None:
             drafting = np.delete(drafting, copies.rows)  # every row drafted: row r is drafting[r]
             if plan is not None:
@@ -243,13 +245,13 @@ class BatchEngine(ProbeOverlap, EngineRequests):
                              sum(seconds.get(k, 0.0) for k in DRAFTING) if plan.declined else 0.0,
                              sum(seconds.values()) - seconds.get("prefill", 0.0) if plan.declined and plan.all else 0.0)
         load = self.monitor.sample() if self.monitor else None
+        computed = self.target.computed_tokens(batch)
         record = StepRecord(
             step=self._step, requests=rows, admitted_new=len(new), lengths=list(decision.lengths),
-            verified_tokens=batch.tokens, padded_tokens=batch.padded_tokens, acceptance_lengths=accepted,
+            verified_tokens=batch.tokens, padded_tokens=computed, acceptance_lengths=accepted,
             expected_accepts=decision.expected_accepts,
             # priced where Algorithm 1 priced the step: a step without drafts would price it for the record alone
-            predicted_seconds=self.cost_model.seconds(rows, batch.padded_tokens) if self.cost_model and len(
-                drafting) else None,
+            predicted_seconds=self.cost_model.seconds(rows, computed) if self.cost_model and len(drafting) else None,
             seconds=seconds,
             cpu_percent=None if load is None else load.cpu_percent,
             gpu_percent=None if load is None else load.gpu_percent,

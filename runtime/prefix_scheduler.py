@@ -50,9 +50,10 @@ class SchedulerConfig:
     gate_drafting: bool = True  # `dspark`, `async`: skip drafting when the cost table says it cannot pay
     # a probe whose drafts are not verified (padded pricing) drafts on a worker thread while the target verifies
     overlap_probes: bool = True
-    # how verification is priced: "padded" (the runtime's graphs take [R, W] rows, so B = R·W) or
-    # "packed" (B = Σ(1 + ℓ_r), the paper's packed verification)
-    pricing: str = "padded"
+    # how verification is priced: "padded" (the target computes [R, W] rows, so B = R·W), "packed"
+    # (B = Σ(1 + ℓ_r), the paper's packed verification) or None: as the engine's target graph computes
+    # (packed with `target_fused_packed`, else padded; padded where no engine resolves it)
+    pricing: str | None = None
     # "tree": draft trees over all requests (runtime/tree_step.py; modes dspark and fixed)
     drafting: str = "chain"
     tree_nodes: int = 16  # tree drafting: draft nodes per request at most (`fixed`: exactly, where the block allows)
@@ -69,7 +70,7 @@ class SchedulerConfig:
             raise SchedulerConfigError(f"fixed_length must be >= 0, got {self.fixed_length}")
         if not 0.0 <= self.threshold < 1.0:
             raise SchedulerConfigError(f"threshold must lie in [0, 1), got {self.threshold}")
-        if self.pricing not in PRICING:
+        if self.pricing is not None and self.pricing not in PRICING:
             raise SchedulerConfigError(f"pricing '{self.pricing}' is unknown; choose one of {PRICING}")
         if self.confidence_temperatures is not None and min(self.confidence_temperatures) <= 0:
             raise SchedulerConfigError("confidence temperatures must be > 0")
@@ -91,9 +92,14 @@ class SchedulerConfig:
         return self.mode != "off" and not (self.mode == "fixed" and self.fixed_length == 0)
 
     @property
+    def padded(self) -> bool:
+        """Whether verification is priced as padded [R, W] rows (`pricing` "padded", or None unresolved)."""
+        return self.pricing != "packed"
+
+    @property
     def overlaps_probes(self) -> bool:
         """Whether the drafting gate's probes draft on a worker (their drafts go unverified: padded pricing)."""
-        return self.overlap_probes and self.pricing == "padded"
+        return self.overlap_probes and self.padded
 
     @property
     def copies_prompts(self) -> bool:
@@ -250,7 +256,7 @@ class StepScheduler:
         if config.mode == "async":
             from .async_scheduler import AsyncScheduler  # imports this module
 
-            self._async = AsyncScheduler(config.confidence_temperatures, padded=config.pricing == "padded")
+            self._async = AsyncScheduler(config.confidence_temperatures, padded=config.padded)
 
     def survivals(self, confidence_logits: torch.Tensor | None) -> np.ndarray | None:
         """[R, γ] this step's survivals at the configured temperatures, computed once for every reader of the
@@ -305,4 +311,4 @@ def schedule(
         raise SchedulerConfigError("scheduler mode 'dspark' needs a step cost model")
     if survivals is None:
         survivals = survival(confidence_logits, config.confidence_temperatures).numpy()
-    return prefix_schedule(survivals, step_seconds, padded=config.pricing == "padded")
+    return prefix_schedule(survivals, step_seconds, padded=config.padded)

@@ -49,7 +49,7 @@ class StepRecord:
     admitted_new: int  # requests prefilled this step
     lengths: list[int]  # ℓ_r per request (scheduler decision)
     verified_tokens: int  # B = Σ(1 + ℓ_r)
-    padded_tokens: int  # R × (1 + max ℓ): what the padded verification computed
+    padded_tokens: int  # what the target computed: R × (1 + max ℓ) padded, Σ(1 + ℓ_r) on the packed graph
     acceptance_lengths: list[int]  # per request: accepted drafts + the bonus token
     expected_accepts: float | None  # τ* (dspark mode)
     predicted_seconds: float | None  # cost model's t(R, B) for the decision (None: no rows drafted)

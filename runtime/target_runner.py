@@ -1,8 +1,12 @@
 """The target's graph calls over the slot cache: one forward for prefill or verification, then a
 commit of the accepted entries.
 
-Three ways to hold the target's keys and values, one per graph flavour (engine.json's `kv_mode`):
+Four ways to hold the target's keys and values, one per graph flavour (engine.json's `kv_mode`):
 
+    packed  `target_fused_packed.onnx`: `fused`, with the projections, MLPs and LM head run on the real
+            tokens only (`token_index`): a step verifying ℓ_r drafts per row computes Σ(1 + ℓ_r) tokens,
+            not R·(1 + max ℓ) (the paper's §5.3). Its logits come packed; rows of different widths are
+            laid out [R, W, V] by one copy of the real tokens' logits.
     fused   `target_fused.onnx` (GroupQueryAttention): the slot rows themselves are bound as past
             AND present, so the call appends its keys/values in place at each row's own length and
             attends over exactly its valid entries; logits and features land in buffers made once.
@@ -61,7 +65,8 @@ def kv_mode_for(backend: Backend, requested: str | None) -> str:
     it, else `static` where the backend keeps the cache on a device (the slot rows are bound in
     place, and its feed shapes are fixed per (requests, tokens), what CUDA-graph replay needs), else
     `concat` (`static` attends over the whole capacity: on the host it only pays at long pasts and
-    large batches)."""
+    large batches). `packed` is asked for by name (its gathers cost 1-3 % of a step where every row is
+    as wide as the widest: demo engine, 4-16 requests, plain decoding)."""
     if requested is None:
         if GRAPHS["fused"] in backend.specs:
             return "fused"
@@ -79,6 +84,8 @@ class TargetRunner:
                  long_width: int | None = None) -> None:
         self.backend, self.kv, self.kv_mode = backend, kv, kv_mode
         self.graph = GRAPHS[kv_mode]
+        self.packs = kv_mode == "packed"  # computes each row's real tokens only (`computed_tokens`)
+        self._in_place = kv_mode in ("packed", "fused")  # the slot rows bound as past and present
         slots = kv.lengths.shape[0]
         outputs = {t.name: t for t in backend.specs[self.graph].outputs}
         self._vocab, self._features = outputs["logits"].dims[2], outputs["context_features"].dims[2]
@@ -89,9 +96,14 @@ class TargetRunner:
         self._max_tokens = max(slots * max_width, self._max_width)
         self._logits = np.empty(self._max_tokens * self._vocab, dtype)
         self._greedy = np.empty(self._max_tokens, np.int64) if "greedy_ids" in outputs else None
+        # packed: the real tokens' logits and ids laid out [R, W, ...] when rows differ in width
+        self._rows_logits = np.empty(self._max_tokens * self._vocab, dtype) if self.packs else None
+        self._rows_greedy = np.zeros(self._max_tokens, np.int64) if self.packs else None
         self._feature_buf = np.empty(self._max_tokens * self._features, dtype)
-        self._bound: dict[tuple[int, int], _FusedCall] = {}  # decode steps' (rows, width)
-        self._prefills: OrderedDict[tuple[int, int, int], tuple[_FusedCall, int]] = OrderedDict()  # -> (call, bytes)
+        # decode steps' (rows, width), packed: (rows, width, real tokens)
+        self._bound: dict[tuple[int, ...], _FusedCall] = {}
+        # prefills' (rows, width, first row), packed: (..., real tokens) -> (call, bytes)
+        self._prefills: OrderedDict[tuple[int, ...], tuple[_FusedCall, int]] = OrderedDict()
         self._prefill_bytes = 0
         # True for fused graphs from exports since `logits_rows`: logits only where asked (a prefill: its last
         # positions); False: the graph makes them everywhere and forward(last_only=True) picks them out
@@ -107,6 +119,8 @@ class TargetRunner:
         longest = int(batch.starts.max())
         if longest + width > self.kv.max_len:
             raise CapacityError(f"KV slot overflow: {longest} + {width} > slot length {self.kv.max_len}")
+        if self.packs:
+            return self._packed(batch, first_row, last_only, longest)
         if self.kv_mode == "fused":
             if last_only and not self.selects_logits:
                 return _last(self._fused(batch, first_row, False, longest), batch)
@@ -157,16 +171,57 @@ class TargetRunner:
         call.call.run()
         return call.output
 
-    def _prefill_call(self, rows: int, width: int, first_row: int) -> _FusedCall:
-        """A prefill's binding over slot rows first_row.. at this prompt width: kept, or made and kept (least
-        recently used ones dropped to stay under PREFILL_BINDING_BYTES and PREFILL_BINDINGS); made and not kept
-        when it alone is over the bytes."""
-        key = (rows, width, first_row)
+    def _packed(self, batch: StepBatch, first_row: int, last_only: bool, longest: int) -> TargetOutput:
+        """`_fused` for the packed graph: bindings per (rows, width, real tokens); logits at every real token,
+        or (`last_only`) at each row's last. Returns them [R, W, V] ([R, 1, V]), a view where every row is
+        `width` wide or one token is asked per row, else laid out by one copy."""
+        rows, width, tokens = batch.rows, batch.width, batch.tokens
+        if last_only:
+            call = self._prefill_call(rows, width, first_row, tokens)
+            call.feeds["logits_index"][...] = batch.cu_counts[1:] - 1
+        else:
+            key = (rows, width, tokens)
+            call = self._bound.get(key) if first_row == 0 else None
+            if call is None:
+                call = self._bind_fused(rows, width, first_row, False, tokens)
+                if first_row == 0 and width <= self._max_width and rows * width <= self._max_tokens:
+                    self._bound[key] = call
+                    self.bindings_made += 1
+        full = tokens == rows * width  # a binding's token_index starts as every token (`_bind_fused`)
+        index = call.feeds["token_index"]
+        if not full:
+            np.copyto(index, np.flatnonzero(batch.valid))
+        call.feeds["input_ids"][...] = batch.ids
+        call.feeds["seqlens_k"][...] = batch.starts + width - 1
+        call.feeds["total_sequence_length"][...] = longest + width
+        call.call.run()
+        out = call.output
+        if last_only or full:
+            k = 1 if last_only else width
+            greedy = None if out.greedy_ids is None else out.greedy_ids.reshape(rows, k)
+            return TargetOutput(out.logits.reshape(rows, k, self._vocab), out.context_features, greedy)
+        logits = _view(self._rows_logits, (rows, width, self._vocab))
+        logits.reshape(-1, self._vocab)[index] = out.logits[0]
+        greedy = None
+        if out.greedy_ids is not None:
+            greedy = _view(self._rows_greedy, (rows, width))
+            greedy.reshape(-1)[index] = out.greedy_ids[0]
+        return TargetOutput(logits, out.context_features, greedy)
+
+    def computed_tokens(self, batch: StepBatch) -> int:
+        """The tokens the graph computes for `batch`: what a step's cost is measured in (the cost table's B)."""
+        return batch.tokens if self.packs else batch.padded_tokens
+
+    def _prefill_call(self, rows: int, width: int, first_row: int, tokens: int | None = None) -> _FusedCall:
+        """A prefill's binding over slot rows first_row.. at this prompt width (packed: and real tokens): kept, or
+        made and kept (least recently used ones dropped to stay under PREFILL_BINDING_BYTES and PREFILL_BINDINGS);
+        made and not kept when it alone is over the bytes."""
+        key = (rows, width, first_row) if tokens is None else (rows, width, first_row, tokens)
         kept = self._prefills.get(key)
         if kept is not None:
             self._prefills.move_to_end(key)
             return kept[0]
-        call = self._bind_fused(rows, width, first_row, True)
+        call = self._bind_fused(rows, width, first_row, True, tokens)
         shared = [b for b in (self._logits, self._feature_buf, self._greedy, *self.kv.kv) if b is not None]
         owned = sum(a.nbytes for a in (*call.feeds.values(), *vars(call.output).values())
                     if a is not None and not any(np.may_share_memory(a, b) for b in shared))
@@ -178,15 +233,22 @@ class TargetRunner:
         self._prefills[key], self._prefill_bytes = (call, owned), self._prefill_bytes + owned
         return call
 
-    def _bind_fused(self, rows: int, width: int, first_row: int, last_only: bool) -> _FusedCall:
+    def _bind_fused(self, rows: int, width: int, first_row: int, last_only: bool,
+                    tokens: int | None = None) -> _FusedCall:
+        """A binding of the fused graph at [rows, width], or of the packed graph (`tokens` real ones)."""
         k = 1 if last_only else width  # logits per row
-        logits = _view(self._logits, (rows, k, self._vocab))  # the first elements: contiguous [R, k, V]
+        # the first elements: contiguous [R, k, V]; packed: [1, N, V] at N = R (last_only) or every real token
+        logits_shape = (rows, k) if tokens is None else (1, rows if last_only else tokens)
+        logits = _view(self._logits, (*logits_shape, self._vocab))
         features = _view(self._feature_buf, (rows, width, self._features))
-        greedy = None if self._greedy is None else _view(self._greedy, (rows, k))
+        greedy = None if self._greedy is None else _view(self._greedy, logits_shape)
         kv = [buf[first_row : first_row + rows] for buf in self.kv.kv]  # contiguous slot rows
         feeds = {"input_ids": np.zeros((rows, width), np.int64), "seqlens_k": np.zeros(rows, np.int32),
                  "total_sequence_length": np.zeros((), np.int32)}
-        if self.selects_logits:  # every position (verification), or each row's last (set per call)
+        if tokens is not None:  # which tokens are real (set per call), where logits are asked (last_only: per call)
+            feeds["token_index"] = np.arange(tokens, dtype=np.int64)
+            feeds["logits_index"] = np.arange(logits_shape[1], dtype=np.int64)
+        elif self.selects_logits:  # every position (verification), or each row's last (set per call)
             feeds["logits_rows"] = np.tile(np.arange(k, dtype=np.int64), (rows, 1))
         feeds.update(zip(C.kv_names("past_key_values", len(kv) // 2), kv, strict=True))
         outputs = {"logits": logits, "context_features": features}
@@ -198,7 +260,7 @@ class TargetRunner:
 
     def commit(self, counts: np.ndarray, first_row: int = 0) -> None:
         """Keep the first counts[r] new entries of each row of the last forward."""
-        if self.kv_mode == "fused":
+        if self._in_place:
             self.kv.advance(counts, first_row)
             return
         present, offset, row = self._new

@@ -322,8 +322,8 @@ def test_external_data_and_refusals(tmp_path):
 
 def test_export_pair_fused_flavour(tmp_path):
     """export_pair(flavours=("plain", "fused")) adds target_fused.onnx, target_fused_tree.onnx,
-    drafter_backbone_fused.onnx and drafter_draft_greedy_fused.onnx with their parity; the plain graphs each
-    record flavour "plain"."""
+    target_fused_packed.onnx, drafter_backbone_fused.onnx and drafter_draft_greedy_fused.onnx with their
+    parity; the plain graphs each record flavour "plain"."""
     from dspark.export.manifest import read_manifest
     from dspark.export.pipeline import export_pair
 
@@ -332,10 +332,12 @@ def test_export_pair_fused_flavour(tmp_path):
     assert read_manifest(tmp_path, verify="sha256")["graphs"]["target_fused"]["flavour"] == "fused"
     flavours = {name: entry["flavour"] for name, entry in manifest["graphs"].items()}
     assert flavours.pop("target_fused") == flavours.pop("target_fused_tree") == "fused"
+    assert flavours.pop("target_fused_packed") == "fused"
     assert flavours.pop("drafter_backbone_fused") == flavours.pop("drafter_draft_greedy_fused") == "fused"
     assert set(flavours.values()) == {"plain"}
     assert manifest["dropped_graphs"] == {} and manifest["flavours"] == ["plain", "fused"]
-    for name in ("target_fused", "target_fused_tree", "drafter_backbone_fused", "drafter_draft_greedy_fused"):
+    for name in ("target_fused", "target_fused_tree", "target_fused_packed", "drafter_backbone_fused",
+                 "drafter_draft_greedy_fused"):
         parity = manifest["parity"][name]
         print(f"\n{name} parity: {parity}")
         assert parity["passed"] and max(parity["max_abs_diff"].values()) <= ATOL
@@ -364,3 +366,9 @@ def test_fused_graph_is_dropped_when_it_cannot_pass(tmp_path, monkeypatch):
     pipeline._export_fused(target_graph, True, graphs, parity, dropped)
     assert dropped["target_fused"]["reason"] == "parity against PyTorch failed"
     assert not graphs and not parity and not list(tmp_path.iterdir())
+
+
+def test_the_tree_graph_is_not_built_packed():
+    model = TargetModel(tiny_target_config(head_dim=16))
+    with pytest.raises(ExportError, match="tree variant"):
+        build_fused_target(model, tree=True, packed=True)

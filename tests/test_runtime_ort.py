@@ -39,7 +39,7 @@ def engine(backend, kv_mode, mode="fixed", capacity=None):
                   cost_model=StepCostModel(1e-3, 2e-4, 4e-4))
 
 
-KV_MODES = ["fused", "static", "concat"]
+KV_MODES = ["packed", "fused", "static", "concat"]
 
 
 @pytest.mark.parametrize("kv_mode", KV_MODES)
@@ -125,3 +125,15 @@ def test_a_prefill_makes_logits_at_each_prompts_last_position_only(exported, kv_
     if kv_mode == "fused":
         assert e.target.selects_logits and (2, batch.width, True) not in e.target._bound
         np.testing.assert_array_equal(last.greedy_ids[:, 0], expected.argmax(-1))
+
+
+def test_the_packed_target_computes_and_prices_real_tokens_only(exported):
+    """kv_mode `packed`: a step's cost is counted in its real tokens (Σ(1 + ℓ_r), what the graph computes) and the
+    scheduler prices verification packed unless told otherwise; the fused graph computes the padded R·W."""
+    batch = StepBatch.chains(np.array([5, 6]), np.array([[1, 2, 3], [4, 5, 6]]), np.array([3, 0]), np.array([0, 0]))
+    packed, fused = engine(exported, "packed", mode="dspark"), engine(exported, "fused", mode="dspark")
+    assert (packed.scheduler.pricing, packed.target.computed_tokens(batch)) == ("packed", 5)
+    assert (fused.scheduler.pricing, fused.target.computed_tokens(batch)) == ("padded", 8)
+    told = BatchEngine(exported, ModelInfo.from_manifest(exported.manifest), capacity=Capacity(2, 4096, 128),
+                       scheduler=SchedulerConfig("dspark", pricing="padded"), kv_mode="packed")
+    assert told.scheduler.pricing == "padded"
