@@ -6,7 +6,8 @@ Four ways to hold the target's keys and values, one per graph flavour (engine.js
     packed  `target_fused_packed.onnx`: `fused`, with the projections, MLPs and LM head run on the real
             tokens only (`token_index`): a step verifying ℓ_r drafts per row computes Σ(1 + ℓ_r) tokens,
             not R·(1 + max ℓ) (the paper's §5.3). Its logits come packed; rows of different widths are
-            laid out [R, W, V] by one copy of the real tokens' logits.
+            laid out [R, W, V] by one copy of the real tokens' logits. A call whose rows are all equally
+            wide runs `target_fused` on the same slot rows (its gathers would be pure cost).
     fused   `target_fused.onnx` (GroupQueryAttention): the slot rows themselves are bound as past
             AND present, so the call appends its keys/values in place at each row's own length and
             attends over exactly its valid entries; logits and features land in buffers made once.
@@ -85,6 +86,10 @@ class TargetRunner:
         self.backend, self.kv, self.kv_mode = backend, kv, kv_mode
         self.graph = GRAPHS[kv_mode]
         self.packs = kv_mode == "packed"  # computes each row's real tokens only (`computed_tokens`)
+        # packed: a call whose rows are all as wide as the widest (plain decoding, fixed γ) runs the fused chain
+        # graph where the engine has it, over the same slot rows: the packed graph's gathers are pure cost there
+        self._chain = GRAPHS["fused"] if kv_mode == "fused" or (self.packs and GRAPHS["fused"] in backend.specs) \
+            else None
         self._in_place = kv_mode in ("packed", "fused")  # the slot rows bound as past and present
         slots = kv.lengths.shape[0]
         outputs = {t.name: t for t in backend.specs[self.graph].outputs}
@@ -107,7 +112,8 @@ class TargetRunner:
         self._prefill_bytes = 0
         # True for fused graphs from exports since `logits_rows`: logits only where asked (a prefill: its last
         # positions); False: the graph makes them everywhere and forward(last_only=True) picks them out
-        self.selects_logits: bool = any(t.name == "logits_rows" for t in backend.specs[self.graph].inputs)
+        self.selects_logits: bool = self._chain is not None and any(
+            t.name == "logits_rows" for t in backend.specs[self._chain].inputs)
         self._new: tuple[list[tuple[np.ndarray, np.ndarray]], int, int] | None = None  # plain graphs' present
         self.bindings_made = 0  # decode layouts bound and kept: the call binding one runs cold (live_cost.warm_record)
 
@@ -119,9 +125,9 @@ class TargetRunner:
         longest = int(batch.starts.max())
         if longest + width > self.kv.max_len:
             raise CapacityError(f"KV slot overflow: {longest} + {width} > slot length {self.kv.max_len}")
-        if self.packs:
+        if self.packs and (self._chain is None or batch.tokens < rows * width):
             return self._packed(batch, first_row, last_only, longest)
-        if self.kv_mode == "fused":
+        if self._in_place:
             if last_only and not self.selects_logits:
                 return _last(self._fused(batch, first_row, False, longest), batch)
             return self._fused(batch, first_row, last_only, longest)
@@ -255,7 +261,8 @@ class TargetRunner:
         if greedy is not None:
             outputs["greedy_ids"] = greedy
         outputs.update(zip(C.kv_names("present", len(kv) // 2), kv, strict=True))
-        return _FusedCall(self.backend.bind(self.graph, feeds, outputs), feeds,
+        graph = self.graph if tokens is not None else self._chain
+        return _FusedCall(self.backend.bind(graph, feeds, outputs), feeds,
                           TargetOutput(logits, features, greedy))
 
     def commit(self, counts: np.ndarray, first_row: int = 0) -> None:

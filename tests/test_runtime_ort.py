@@ -137,3 +137,18 @@ def test_the_packed_target_computes_and_prices_real_tokens_only(exported):
     told = BatchEngine(exported, ModelInfo.from_manifest(exported.manifest), capacity=Capacity(2, 4096, 128),
                        scheduler=SchedulerConfig("dspark", pricing="padded"), kv_mode="packed")
     assert told.scheduler.pricing == "padded"
+
+
+def test_the_packed_engine_runs_ragged_rows_packed_and_even_rows_on_the_chain_graph(exported):
+    """Rows of different widths go through `target_fused_packed`; rows all as wide as the widest (plain decoding,
+    fixed γ) through `target_fused` over the same slot rows, where the packed graph's gathers would be pure cost."""
+    e = engine(exported, "packed")
+    calls = {g: exported.times.count(g) for g in ("target_fused", "target_fused_packed")}
+    ragged = StepBatch.chains(np.array([5, 6]), np.array([[1, 2, 3], [4, 5, 6]]), np.array([3, 0]), np.array([0, 0]))
+    even = StepBatch.chains(np.array([5, 6]), np.array([[1, 2, 3], [4, 5, 6]]), np.array([2, 2]), np.array([0, 0]))
+    ragged_ids = e.target.forward(ragged).greedy_ids.copy()
+    assert exported.times.count("target_fused_packed") == calls["target_fused_packed"] + 1
+    even_ids = e.target.forward(even).greedy_ids
+    assert exported.times.count("target_fused") == calls["target_fused"] + 1
+    # the same tokens at the same positions give the same argmax, whichever graph ran them
+    assert ragged_ids[0, :3].tolist() == even_ids[0].tolist() and ragged_ids[1, 0] == even_ids[1, 0]
