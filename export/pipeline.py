@@ -109,8 +109,10 @@ def graph_jobs(
 # `drafter_backbone_fused.onnx` (fused_drafter.py) and `drafter_draft_greedy_fused.onnx` (fused_draft_greedy.py),
 # each kept only if it passes parity. Both by default: the ONNX Runtime runtime drives the fused
 # target where it exists; TensorRT and other runtimes use the plain graphs.
-FLAVOURS = ("plain", "fused")
-DEFAULT_FLAVOURS = FLAVOURS
+FLAVOURS = ("plain", "fused", "packed")
+# "packed" (target_fused_packed.onnx, kv_mode "packed") is asked for: ONNX Runtime opens every graph of an engine,
+# so it holds one more copy of the target's weights
+DEFAULT_FLAVOURS = ("plain", "fused")
 
 
 def check_pair_and_out(target_dir: Path, drafter_dir: Path, out_dir: Path) -> tuple[TargetConfig, DrafterConfig]:
@@ -133,6 +135,9 @@ def check_options(dtype: str, opset: int, flavours: Sequence[str] = ("plain",)) 
     unknown = [f for f in flavours if f not in FLAVOURS]
     if unknown or "plain" not in flavours:
         raise ExportError(f"flavours {list(flavours)} must include 'plain' and be among {list(FLAVOURS)}")
+    if "packed" in flavours and "fused" not in flavours:
+        raise ExportError("flavour 'packed' needs 'fused' too: a packed engine runs rows of one width on the "
+                          "fused target graph")
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
@@ -153,7 +158,8 @@ def export_pair(
     """Export every graph of the pair into `out_dir` and write `export.json`; returns the manifest.
 
     `flavours` "fused" (default) adds `target_fused.onnx`, `target_fused_tree.onnx`,
-    `drafter_backbone_fused.onnx` and `drafter_draft_greedy_fused.onnx` (ONNX Runtime fused ops), each kept
+    `drafter_backbone_fused.onnx` and `drafter_draft_greedy_fused.onnx` (ONNX Runtime fused ops), "packed"
+    `target_fused_packed.onnx` (verification over the real tokens only, kv_mode "packed"), each kept
     only if its model fits it and, with `check`, it passes its parity sweep; otherwise it is left out and the
     reason recorded under `dropped_graphs`. Each graph entry records its `flavour`.
 
@@ -191,7 +197,8 @@ def export_pair(
             parity[job.spec.name] = _measure(job, out_dir / job.spec.file)
     dropped: dict[str, Any] = {}
     if "fused" in flavours:
-        for fused in fused_graphs(target, drafter, dtype, opset, out_dir, external_data_threshold):
+        for fused in fused_graphs(target, drafter, dtype, opset, out_dir, external_data_threshold,
+                                  packed="packed" in flavours):
             _export_fused(fused, check, graphs, parity, dropped)
     manifest = {
         "format_version": FORMAT_VERSION,
@@ -236,19 +243,19 @@ class FusedGraph:
 
 
 def fused_graphs(target: TargetModel, drafter: DSparkDrafter, dtype: str, opset: int, out_dir: Path,
-                 external_data_threshold: int) -> list[FusedGraph]:
-    """`target_fused`, `target_fused_tree`, `target_fused_packed`, `drafter_backbone_fused` and
+                 external_data_threshold: int, packed: bool = False) -> list[FusedGraph]:
+    """`target_fused`, `target_fused_tree`, `target_fused_packed` (with `packed`), `drafter_backbone_fused` and
     `drafter_draft_greedy_fused`, in the order they are written (parity against float32 models: see
     fused_parity.TOLERANCE)."""
     out: list[FusedGraph] = []
     reference = target if dtype == "float32" else copy.deepcopy(target).float()
-    for tree, packed in ((False, False), (True, False), (False, True)):
+    for tree, packs in ((False, False), (True, False), *(((False, True),) if packed else ())):
         spec = C.target_fused_spec(target.config, drafter.config.context_feature_size, dtype, tree=tree,
-                                   packed=packed)
+                                   packed=packs)
         out.append(FusedGraph(
             spec, lambda: check_fusable(target, dtype),
-            lambda tree=tree, packed=packed: export_fused_target(
-                target, out_dir, dtype, opset=opset, tree=tree, packed=packed,
+            lambda tree=tree, packs=packs: export_fused_target(
+                target, out_dir, dtype, opset=opset, tree=tree, packed=packs,
                 external_data_threshold=external_data_threshold),
             lambda sess, spec=spec: fused_parity(sess, spec, reference, dtype)))
     spec = C.backbone_fused_spec(drafter.config, DEFAULT_PLACEMENT, dtype)

@@ -28,8 +28,8 @@ from dspark.tools.demo_engine import DEMO_TARGET
 
 SET = "qwen3-tiny-vanilla"
 GRAPHS = ("target.onnx", "target_static.onnx", "drafter_backbone.onnx", "drafter_head_step.onnx",
-          "drafter_head_greedy.onnx", "target_fused.onnx", "target_fused_tree.onnx", "target_fused_packed.onnx",
-          "drafter_backbone_fused.onnx", "drafter_draft_greedy_fused.onnx")
+          "drafter_head_greedy.onnx", "target_fused.onnx", "target_fused_tree.onnx", "drafter_backbone_fused.onnx",
+          "drafter_draft_greedy_fused.onnx")
 # dir kind -> every file in it (relative path)
 FILES = {
     "export": ("export.json", *GRAPHS, "tokenizer.json"),

@@ -116,7 +116,7 @@ def test_profiler_records_what_it_measured(export_dir, monkeypatch):
     section = profiling.profile_section(run, specs, vocab_size=512, block_size=7, batches=(1, 2, 4),
                                         buckets=BUCKETS, past=32, warmup=3, repeats=4)
     assert (section["warmup"], section["repeats"], section["past"]) == (3, 4, 32)
-    assert set(section["tables"]) == {C.TARGET, C.TARGET_STATIC, C.TARGET_FUSED, C.TARGET_FUSED_PACKED}
+    assert set(section["tables"]) == {C.TARGET, C.TARGET_STATIC, C.TARGET_FUSED}
     for graph, raw in section["tables"].items():
         per_row = 2e-3 if graph == C.TARGET_STATIC else 1e-3
         for r, row in zip((1, 2, 4), raw["verify_seconds"], strict=True):

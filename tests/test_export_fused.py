@@ -321,21 +321,21 @@ def test_external_data_and_refusals(tmp_path):
 
 
 def test_export_pair_fused_flavour(tmp_path):
-    """export_pair(flavours=("plain", "fused")) adds target_fused.onnx, target_fused_tree.onnx,
+    """export_pair(flavours=("plain", "fused", "packed")) adds target_fused.onnx, target_fused_tree.onnx,
     target_fused_packed.onnx, drafter_backbone_fused.onnx and drafter_draft_greedy_fused.onnx with their
-    parity; the plain graphs each record flavour "plain"."""
+    parity; the plain graphs each record flavour "plain" ("packed" alone, without "fused", is refused)."""
     from dspark.export.manifest import read_manifest
     from dspark.export.pipeline import export_pair
 
     root = golden_path("qwen3-tiny-vanilla")
-    manifest = export_pair(root / "target", root / "drafter", tmp_path, flavours=("plain", "fused"))
+    manifest = export_pair(root / "target", root / "drafter", tmp_path, flavours=("plain", "fused", "packed"))
     assert read_manifest(tmp_path, verify="sha256")["graphs"]["target_fused"]["flavour"] == "fused"
     flavours = {name: entry["flavour"] for name, entry in manifest["graphs"].items()}
     assert flavours.pop("target_fused") == flavours.pop("target_fused_tree") == "fused"
     assert flavours.pop("target_fused_packed") == "fused"
     assert flavours.pop("drafter_backbone_fused") == flavours.pop("drafter_draft_greedy_fused") == "fused"
     assert set(flavours.values()) == {"plain"}
-    assert manifest["dropped_graphs"] == {} and manifest["flavours"] == ["plain", "fused"]
+    assert manifest["dropped_graphs"] == {} and manifest["flavours"] == ["plain", "fused", "packed"]
     for name in ("target_fused", "target_fused_tree", "target_fused_packed", "drafter_backbone_fused",
                  "drafter_draft_greedy_fused"):
         parity = manifest["parity"][name]
@@ -347,6 +347,8 @@ def test_export_pair_fused_flavour(tmp_path):
     assert entry["inputs"][2] == {"name": "total_sequence_length", "dtype": "int32", "dims": []}
     with pytest.raises(ExportError, match="flavours"):
         export_pair(root / "target", root / "drafter", tmp_path / "x", flavours=("fused",))
+    with pytest.raises(ExportError, match="needs 'fused'"):
+        export_pair(root / "target", root / "drafter", tmp_path / "y", flavours=("plain", "packed"))
 
 
 def test_fused_graph_is_dropped_when_it_cannot_pass(tmp_path, monkeypatch):

@@ -156,7 +156,7 @@ def test_every_target_graph_is_quantized_and_recorded(int4_engine, export_dir):
     for name in (C.BACKBONE, C.HEAD_GREEDY):  # drafter graphs untouched without quantize-drafter
         assert "MatMulNBits" not in _ops(engine.graph_path(name))
     # the cost table was measured on the quantized graphs of this engine, for each target flavour
-    assert set(engine.manifest["sps"]["tables"]) == {C.TARGET, C.TARGET_STATIC, C.TARGET_FUSED, C.TARGET_FUSED_PACKED}
+    assert set(engine.manifest["sps"]["tables"]) == {C.TARGET, C.TARGET_STATIC, C.TARGET_FUSED}
     assert json.loads((int4_engine / "export.json").read_text())["derived_from"]["export_dir"] == str(
         export_dir.resolve())
     assert not list(int4_engine.glob(".quantizing-*"))  # the staging copy is gone

@@ -28,7 +28,8 @@ SET = "qwen3-tiny-vanilla"
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
     out = tmp_path_factory.mktemp("export")
-    export_pair(golden_path(SET, "target"), golden_path(SET, "drafter"), out, check=False)
+    export_pair(golden_path(SET, "target"), golden_path(SET, "drafter"), out, check=False,
+                flavours=("plain", "fused", "packed"))
     return OrtBackend(out, intra_op_threads=1)
 
 

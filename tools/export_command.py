@@ -37,7 +37,8 @@ _DIR = str  # checked by export_pair, whose CheckpointError names the folder and
     default=",".join(DEFAULT_FLAVOURS),
     show_default=True,
     help=f"Graph flavours, comma-separated, among {','.join(FLAVOURS)}: 'fused' adds the ONNX Runtime "
-    "fused-op target (GroupQueryAttention, KV in place) that the ORT runtime drives where present.",
+    "fused-op target (GroupQueryAttention, KV in place) that the ORT runtime drives where present; 'packed' "
+    "(with 'fused') the target that verifies real tokens only (kv_mode 'packed').",
 )
 @click.option("--no-check", is_flag=True, help="Skip the ONNX Runtime parity sweep.")
 @click.option("--stream-weights", is_flag=True, help="Real-size checkpoints in bounded memory: trace over "
