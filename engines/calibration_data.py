@@ -104,7 +104,7 @@ def collect_rounds(
         record = engine.step()
         if record is None or record.confidence_logits is None:
             continue
-        confidences.append(record.confidence_logits.double().numpy())
+        confidences.append(np.asarray(record.confidence_logits, dtype=np.float64))
         accepted.append(np.asarray(record.acceptance_lengths) - 1)  # the bonus token is not a draft
     if not confidences:
         raise BuildError("calibration produced no draft rounds (prompts too short or max_new_tokens too small)")

@@ -303,7 +303,7 @@ def schedule(
     if confidence_logits is None and (survivals is None or config.mode != "dspark"):
         raise SchedulerConfigError(f"scheduler mode '{config.mode}' needs a drafter with a confidence head")
     if config.mode == "threshold":
-        lengths = tuple(threshold_length(row, config.threshold) for row in confidence_logits)
+        lengths = tuple(threshold_length(row, config.threshold) for row in torch.as_tensor(confidence_logits))
         return Decision(lengths, None, None, 0)
     if config.mode == "async":
         raise SchedulerConfigError("scheduler mode 'async' keeps state across steps: ask a StepScheduler")

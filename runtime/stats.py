@@ -6,8 +6,8 @@ from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # the serving front end reads these records without torch
-    import torch
+if TYPE_CHECKING:  # the serving front end reads these records without numpy's import cost either
+    import numpy as np
 
 
 @dataclass
@@ -56,7 +56,7 @@ class StepRecord:
     seconds: dict[str, float]  # phase -> wall seconds (prefill, draft, heads, schedule, verify, commit)
     cpu_percent: float | None = None
     gpu_percent: float | None = None
-    confidence_logits: torch.Tensor | None = None  # [R, γ] pre-sigmoid, rows in active order
+    confidence_logits: np.ndarray | None = None  # [R, γ] pre-sigmoid (host), rows in active order
     drafted: bool = True  # False when the drafting gate judged drafting unprofitable this step
     copied_rows: tuple[int, ...] = ()  # rows that verified a prompt-lookup copy, not a DSpark block (prompt_lookup)
 

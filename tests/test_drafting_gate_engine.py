@@ -86,7 +86,7 @@ def launches(engine: BatchEngine) -> list[list[int]]:
 def drafted_rows(record: StepRecord) -> list[int]:
     if record.confidence_logits is None:
         return []
-    return torch.isfinite(record.confidence_logits[:, 0]).nonzero().flatten().tolist()
+    return np.flatnonzero(np.isfinite(record.confidence_logits[:, 0])).tolist()
 
 
 def run(engine: BatchEngine, arrivals: dict[int, list[tuple[int, ...]]], new: int) -> dict[int, tuple[int, ...]]:

@@ -10,7 +10,6 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from dspark.engines.calibration import ece, survival, survival_labels
@@ -66,7 +65,7 @@ def synthetic_records(seed: int = 0, steps: int = 30, drafted_every: int = 5) ->
         drafted = s % drafted_every != drafted_every - 1
         lengths = rng.integers(0, GAMMA + 1, rows) if drafted else np.zeros(rows, dtype=np.int64)
         accepted = np.array([rng.integers(0, k + 1) for k in lengths])
-        logits = torch.tensor(rng.normal(1.0, 2.0, (rows, GAMMA)), dtype=torch.float32) if drafted else None
+        logits = rng.normal(1.0, 2.0, (rows, GAMMA)).astype(np.float32) if drafted else None
         records.append(StepRecord(
             step=s, requests=rows, admitted_new=0, lengths=lengths.tolist(),
             verified_tokens=int((lengths + 1).sum()), padded_tokens=rows * (1 + int(lengths.max())),
@@ -143,7 +142,7 @@ def reference_ece(records, temperatures, weights=None):
     probs, labels, mask, w = [], [], [], []
     drafted = [r for r in records if r.confidence_logits is not None]
     for i, r in enumerate(drafted):
-        probs.append(survival(r.confidence_logits.double().numpy(), np.asarray(temperatures, dtype=np.float64)))
+        probs.append(survival(r.confidence_logits.astype(np.float64), np.asarray(temperatures, dtype=np.float64)))
         labels.append(survival_labels(np.asarray(r.acceptance_lengths) - 1, GAMMA))
         mask.append(np.arange(GAMMA)[None, :] < np.asarray(r.lengths)[:, None])
         if weights is not None:
@@ -346,7 +345,7 @@ def with_copied_rows(records: list[StepRecord]) -> list[StepRecord]:
         if r.confidence_logits is None:
             out.append(r)
             continue
-        logits = torch.cat((r.confidence_logits, torch.full((1, GAMMA), -torch.inf)))
+        logits = np.concatenate((r.confidence_logits, np.full((1, GAMMA), -np.inf, r.confidence_logits.dtype)))
         out.append(StepRecord(
             step=r.step, requests=r.requests + 1, admitted_new=0, lengths=[*r.lengths, GAMMA],
             verified_tokens=r.verified_tokens + GAMMA + 1, padded_tokens=(r.requests + 1) * (GAMMA + 1),

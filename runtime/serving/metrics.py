@@ -116,8 +116,6 @@ class ServingMetrics:
         verified_pos, accepted_pos = verification_counts(lengths[drafted], accepted[drafted], self.block_size)
         logits = record.confidence_logits
         if logits is not None and rows:
-            if not isinstance(logits, np.ndarray):  # a torch tensor (the in-process engine's records)
-                logits = logits.detach().float().cpu().numpy()
             self.ece.update(np.asarray(logits, dtype=np.float32)[drafted], self.temperatures, lengths[drafted],
                             accepted[drafted])
         budget, tokens = int(lengths.sum()), int(record.verified_tokens)

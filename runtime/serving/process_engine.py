@@ -8,7 +8,7 @@ Commands (front -> engine), one pickled tuple each: ("submit", id, fields), ("ca
 Messages (engine -> front):
   ("ready", EngineLimits)                     once the engine is loaded (or ("failed", "Type: message"))
   ("turn", record, snapshot, tokens, ends)     after every turn of the loop that moved anything: the step's
-                                               StepRecord (None without a step; confidence logits as numpy),
+                                               StepRecord (None without a step; its confidences are numpy),
                                                the LoadSnapshot, [(id, new tokens)], [(id, RequestResult, error)]
   ("refused", id, error)                       a submit the engine did not take (QueueFull, RequestError, ...)
 A service loop that stops on an error (a bug outside any step: logged) takes the process with it, exit code
@@ -22,7 +22,7 @@ import os
 import signal
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -96,14 +96,7 @@ class TurnRelay:
                 if front_id is not None:
                     del self._sent[front_id], self._handles[front_id]
                     ends.append((front_id, handle._result, handle._error))
-            self.out.send(("turn", _wire(record), snapshot, tokens, ends))
-
-
-def _wire(record: StepRecord | None) -> StepRecord | None:
-    """The record as it crosses the pipe: torch tensors would go by shared-memory handles; numpy goes by value."""
-    if record is None or record.confidence_logits is None:
-        return record
-    return replace(record, confidence_logits=record.confidence_logits.detach().cpu().numpy())
+            self.out.send(("turn", record, snapshot, tokens, ends))
 
 
 def load_runtime(engine_dir: str, threads: int | None = None, *, scheduler: str = "dspark", prompt_lookup: int = 3,

@@ -19,7 +19,7 @@ import json
 import time
 from pathlib import Path
 
-import torch
+import numpy as np
 
 from dspark.runtime.api import Runtime, RuntimeOptions
 from dspark.runtime.prefix_scheduler import SchedulerConfig
@@ -30,7 +30,7 @@ from .subjects import load_prompts, stop_token
 
 def drafted_rows(step: StepRecord) -> int:
     logits = step.confidence_logits
-    return 0 if logits is None else int(torch.isfinite(logits[:, 0]).sum())
+    return 0 if logits is None else int(np.isfinite(logits[:, 0]).sum())
 
 
 def drafting_ms(step: StepRecord) -> float:
