@@ -325,9 +325,9 @@ def scatter_block(block: DraftBlock, order: np.ndarray, rows: int, temperatures:
     tokens = np.zeros((rows, gamma), np.int64)  # [R, γ]
     tokens[order] = np.asarray(block.tokens)
     confidence = None
-    if block.confidence_logits is not None:
-        confidence = torch.full((rows, gamma), -torch.inf)  # [R, γ]
-        confidence[torch.from_numpy(order)] = torch.as_tensor(block.confidence_logits).float()
+    if block.confidence_logits is not None:  # host numpy: torch calls between graph calls are dear (batch_loop)
+        confidence = np.full((rows, gamma), -np.inf, np.float32)  # [R, γ]
+        confidence[order] = as_numpy(block.confidence_logits)
     logits = None  # [R, γ, V]
     sampled = [i for i, r in enumerate(order) if temperatures[r] > 0]
     if sampled:

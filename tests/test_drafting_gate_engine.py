@@ -119,6 +119,8 @@ def test_engine_drafts_only_the_probe_rows_from_the_first_step():
         assert not s.drafted and len(rows) in (0, engine.gate.probe_rows)
     # under padded verification (the default) probes verify anchors only: drafts would pad every row
     assert all(max(s.lengths) == 0 for s in steps if drafted_rows(s))
+    # a probe's confidences over all rows are host numpy, as every step's (no torch call between graph calls)
+    assert all(isinstance(s.confidence_logits, np.ndarray) for s in steps if s.confidence_logits is not None)
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["probes-in-line", "probes-overlapped"])
