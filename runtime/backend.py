@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -76,17 +76,28 @@ def check_feeds(spec: GraphSpec, feeds: Mapping[str, Array]) -> None:
         raise BackendError(f"graph '{spec.name}': " + "; ".join(problems))
 
 
+RECENT_CALLS = 1024  # per graph: a server makes thousands of graph calls a second, for days
+
+
 @dataclass
 class CallTimes:
-    """Wall-clock seconds of every call, per graph."""
+    """Per graph: how many calls, their total wall-clock seconds, and the last `RECENT_CALLS` of them
+    (bounded: every call's time, kept, grew by ~32 bytes a call without end)."""
 
-    seconds: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
+    seconds: dict[str, deque[float]] = field(default_factory=lambda: defaultdict(lambda: deque(maxlen=RECENT_CALLS)))
+    calls: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    totals: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+
+    def add(self, graph: str, seconds: float) -> None:
+        self.seconds[graph].append(seconds)
+        self.calls[graph] += 1
+        self.totals[graph] += seconds
 
     def total(self, graph: str) -> float:
-        return sum(self.seconds.get(graph, ()))
+        return self.totals.get(graph, 0.0)
 
     def count(self, graph: str) -> int:
-        return len(self.seconds.get(graph, ()))
+        return self.calls.get(graph, 0)
 
 
 class Backend(ABC):
@@ -146,7 +157,7 @@ class Backend(ABC):
         self._check(graph, feeds)
         begin = time.perf_counter()
         out = self._run(graph, feeds)
-        self.times.seconds[graph].append(time.perf_counter() - begin)
+        self.times.add(graph, time.perf_counter() - begin)
         return out
 
     def run_into(self, graph: str, feeds: Mapping[str, np.ndarray], outputs: Mapping[str, np.ndarray]) -> None:
@@ -193,7 +204,7 @@ class BoundCall:
     def run(self) -> None:
         begin = time.perf_counter()
         self._call()
-        self._times.seconds[self.graph].append(time.perf_counter() - begin)
+        self._times.add(self.graph, time.perf_counter() - begin)
 
 
 def as_torch(value: Array) -> torch.Tensor:

@@ -146,3 +146,16 @@ def test_runtimes_over_one_backend_share_one_sampling_thread():
         monitors.release_monitor(mine)  # (stand in for those earlier runtimes)
     monitors.release_monitor(mine)
     assert not mine._thread.is_alive() and users() == 0
+
+
+def test_graph_call_times_are_bounded_and_still_count_every_call():
+    """A backend timed every graph call into a list that grew without end (a server makes thousands a second):
+    it keeps the last RECENT_CALLS, and every call's count and total."""
+    from dspark.runtime.backend import RECENT_CALLS, CallTimes
+
+    times = CallTimes()
+    for _ in range(RECENT_CALLS + 500):
+        times.add("target", 0.5)
+    assert len(times.seconds["target"]) == RECENT_CALLS
+    assert times.count("target") == RECENT_CALLS + 500 and times.total("target") == 0.5 * (RECENT_CALLS + 500)
+    assert times.count("drafter") == 0 and times.total("drafter") == 0.0

@@ -103,27 +103,27 @@ def test_an_engine_drafts_greedy_steps_in_one_call(exports):
     requests = [(rng.integers(2, 500, n).tolist(), new) for n, new in ((3, 60), (30, 40), (7, 50), (18, 30), (11, 45))]
     with OrtBackend(out, intra_op_threads=1) as backend:
         engines = [fixed_gamma_engine(backend, joined=joined) for joined in (True, False)]
-        calls = backend.times.seconds
+        calls = backend.times.count
         for engine in engines:
             for i, (prompt, new) in enumerate(requests):
                 engine.submit(prompt, max_new_tokens=new, seed=i)
-        joined_calls, heads_calls = len(calls[C.DRAFT_GREEDY_FUSED]), len(calls[C.HEAD_GREEDY])
+        joined_calls, heads_calls = calls(C.DRAFT_GREEDY_FUSED), calls(C.HEAD_GREEDY)
         steps = 0
         while not all(e.idle for e in engines):
-            before = len(calls[C.HEAD_GREEDY])
+            before = calls(C.HEAD_GREEDY)
             joined, plain = engines[0].step(), None
-            assert len(calls[C.HEAD_GREEDY]) == before  # the heads ran inside the joined graph
+            assert calls(C.HEAD_GREEDY) == before  # the heads ran inside the joined graph
             plain = engines[1].step()
             steps += 1
             assert joined.acceptance_lengths == plain.acceptance_lengths and joined.lengths == plain.lengths
-        assert len(calls[C.DRAFT_GREEDY_FUSED]) - joined_calls >= steps - 1
-        assert len(calls[C.HEAD_GREEDY]) - heads_calls >= steps - 1  # the other engine drafted in two calls
+        assert calls(C.DRAFT_GREEDY_FUSED) - joined_calls >= steps - 1
+        assert calls(C.HEAD_GREEDY) - heads_calls >= steps - 1  # the other engine drafted in two calls
         results = [e.take_finished() for e in engines]
         assert [r.tokens for r in results[0].values()] == [r.tokens for r in results[1].values()]
         sampled = engines[0]
         sampled.submit(requests[0][0], max_new_tokens=8, seed=1)
         sampled.submit(requests[1][0], max_new_tokens=8, temperature=1.0, seed=2)
-        before = len(calls[C.HEAD_STEP])
+        before = calls(C.HEAD_STEP)
         while not sampled.idle:
             sampled.step()
-        assert len(calls[C.HEAD_STEP]) > before  # a step with a sampled row drafts slot by slot
+        assert calls(C.HEAD_STEP) > before  # a step with a sampled row drafts slot by slot
