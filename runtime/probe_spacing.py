@@ -23,6 +23,12 @@ caused ends within a few steps (it held for 16-128 steps before, often for whole
 drafter, probes come rarely (they came every 17 steps). Demo engine, one request at a time, 16 × 32 tokens,
 interleaved with the code before, ÷ max(plain decoding, fixed γ): 0.921 → 0.979 (11 runs); with the drafter
 slowed 3 ms a call, 0.747 → 0.793 (7 runs). The price of a quick probe: a drafter that recovers is seen later.
+While the gate's pool holds fewer than `THIN_POOL_ROWS` survival rows, one request probes at every declined
+step: the prior (α = 0.5) declines the first step, and a decline resting on one probe's row is as likely one
+unlucky block as the drafter (measured, demo engine, one request at a time, 32 × 32 tokens: a pool of one row,
+[0.84, 0.50, 0.11, ...] against the drafter's 0.85, 0.70, 0.60, ... realised, kept drafting declined for up to
+50 steps; 61 of 250 steps verified no draft, now 22-27; interleaved against the code before, 15 runs, 32-token
+requests: 1.022x at one request).
 """
 
 from __future__ import annotations
@@ -30,11 +36,13 @@ from __future__ import annotations
 import math
 
 from .gate_plan import GatePlan, SplitStepCost
+from .survival_pool import SurvivalPool
 
 MAX_PROBE_BACKOFF = 8  # probes that keep finding drafting unprofitable come at most this many times rarer
 SLOW_DRAFTER = 1.5  # a live draft factor from which probes do not back off (a slowed drafter may recover)
 PROBE_SHARE = 0.05  # a probe: what it costs beyond plain decoding, at most this share of the plain steps to the next
 FULL_PROBE_EVERY = 4  # one request's probe: no sooner than this many steps after the last
+THIN_POOL_ROWS = 8  # one request probes at once while the gate's pool holds fewer survival rows than this
 
 
 class ProbeSpacing:
@@ -43,6 +51,7 @@ class ProbeSpacing:
 
     cost: SplitStepCost
     probe_every: int
+    pool: SurvivalPool
 
     def _init_spacing(self) -> None:
         self.skipped = 0  # steps since rows last drafted
@@ -79,8 +88,8 @@ class ProbeSpacing:
     def _probe_due(self, requests: int) -> bool:
         """Whether a declined step probes (module docstring). The wait after a probe of a few rows is priced once
         a wait: the prices move little in as many steps."""
-        if requests == 1:
-            return self.skipped >= self._full_after
+        if requests == 1:  # (a decline resting on a row or two: as likely one unlucky block as the drafter)
+            return len(self.pool) < THIN_POOL_ROWS or self.skipped >= self._full_after
         if self.skipped < self.probe_interval:
             return False
         if self._probe_after is None:

@@ -22,7 +22,7 @@ from dspark.runtime.drafting_gate import (
     GatePlan,
 )
 from dspark.runtime.prefix_scheduler import prefix_schedule, survival
-from dspark.runtime.probe_spacing import FULL_PROBE_EVERY, MAX_PROBE_BACKOFF, PROBE_SHARE, SLOW_DRAFTER
+from dspark.runtime.probe_spacing import FULL_PROBE_EVERY, MAX_PROBE_BACKOFF, PROBE_SHARE, SLOW_DRAFTER, THIN_POOL_ROWS
 from dspark.runtime.stats import StepRecord
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -134,19 +134,36 @@ def test_a_probe_of_a_few_rows_waits_until_the_plain_steps_have_paid_for_it():
     assert probe_gaps(DraftingGate(slowed, block_size=GAMMA, probe_every=2), backlogs) == [3] * 6
 
 
-def one_request_probe_gaps(gate: DraftingGate, backlog: int, took: float, expected: float,
-                           drafting: float = 0.0) -> list[int]:
-    """Steps between the first 5 probes of one request over 200 steps, each probe's step measured to take `took`
-    seconds (`drafting` of them drafting) and to have verified drafts Algorithm 1 expected `expected` of."""
+def one_request_probe_steps(gate: DraftingGate, backlog: int, took: float, expected: float,
+                            drafting: float = 0.0) -> list[int]:
+    """The steps one request probed at over 300 steps, each probe's step measured to take `took` seconds
+    (`drafting` of them drafting) and to have verified drafts Algorithm 1 expected `expected` of."""
     probes = []
-    for step in range(200):
+    for step in range(300):
         plan = gate.plan(np.array([backlog]))
         if len(plan.rows):
             probes.append(step)
             gate.record(plan, confident(1), (expected, 0), drafting_seconds=drafting, step_seconds=took)
         else:
             gate.record(plan, None)
+    return probes
+
+
+def one_request_probe_gaps(gate: DraftingGate, backlog: int, took: float, expected: float,
+                           drafting: float = 0.0) -> list[int]:
+    """Steps between the first 5 probes of one request once its pool holds THIN_POOL_ROWS rows."""
+    probes = one_request_probe_steps(gate, backlog, took, expected, drafting)[THIN_POOL_ROWS - 1:]
     return [b - a for a, b in pairwise(probes)][:4]
+
+
+def test_one_request_probes_at_once_while_the_pool_is_thin():
+    """A decline resting on fewer than THIN_POOL_ROWS survival rows (one unlucky block makes it: measured at one
+    request on the demo engine, a pool of one row kept drafting declined for up to 50 steps) is probed again at
+    the next step, which for one request is a drafting step with its drafts verified; then probes are spaced."""
+    probes = one_request_probe_steps(DraftingGate(DEAR, block_size=GAMMA, probe_every=2), 5, 3 * DEAR.verify_seconds(
+        1, 1), 2.0)
+    assert probes[:THIN_POOL_ROWS] == list(range(THIN_POOL_ROWS))
+    assert probes[THIN_POOL_ROWS] - probes[THIN_POOL_ROWS - 1] == FULL_PROBE_EVERY + 1
 
 
 def test_one_requests_probe_is_spaced_by_what_it_cost_beyond_plain_decoding():
