@@ -45,6 +45,9 @@ KV_MODES = tuple(GRAPHS)
 # binding a prefill was most of its host time (0.4 ms of 0.57 a request, demo engine, one request at a time)
 PREFILL_BINDING_BYTES = 32 << 20
 PREFILL_BINDINGS = 64  # and at most this many (a binding holds ONNX Runtime objects of its own)
+# the packed graph's decode layouts (rows, width, real tokens) kept bound, at most (then all let go): up to R·W
+# token counts per (rows, width), where the fused graph has one layout
+PACKED_BINDINGS = 512
 
 
 @dataclass
@@ -191,6 +194,8 @@ class TargetRunner:
             if call is None:
                 call = self._bind_fused(rows, width, first_row, False, tokens)
                 if first_row == 0 and width <= self._max_width and rows * width <= self._max_tokens:
+                    if len(self._bound) >= PACKED_BINDINGS:
+                        self._bound.clear()
                     self._bound[key] = call
                     self.bindings_made += 1
         full = tokens == rows * width  # a binding's token_index starts as every token (`_bind_fused`)

@@ -153,3 +153,19 @@ def test_the_packed_engine_runs_ragged_rows_packed_and_even_rows_on_the_chain_gr
     assert exported.times.count("target_fused") == calls["target_fused"] + 1
     # the same tokens at the same positions give the same argmax, whichever graph ran them
     assert ragged_ids[0, :3].tolist() == even_ids[0].tolist() and ragged_ids[1, 0] == even_ids[1, 0]
+
+
+def test_the_packed_engines_decode_bindings_are_bounded(exported, monkeypatch):
+    """A packed layout is (rows, width, real tokens): up to R·W of them per (rows, width), so the kept bindings
+    are capped (all let go past PACKED_BINDINGS) and a call past the cap still computes what it did."""
+    from dspark.runtime import target_runner
+
+    monkeypatch.setattr(target_runner, "PACKED_BINDINGS", 2)
+    e = engine(exported, "packed")
+    drafts = np.array([[1, 2, 3], [4, 5, 6]])
+    first = e.target.forward(StepBatch.chains(np.array([5, 6]), drafts, np.array([3, 0]), np.array([0, 0])))
+    first = first.greedy_ids.copy()
+    for lengths in ([2, 0], [1, 0], [3, 1], [3, 0]):
+        out = e.target.forward(StepBatch.chains(np.array([5, 6]), drafts, np.array(lengths), np.array([0, 0])))
+        assert len(e.target._bound) <= 2
+    assert out.greedy_ids[0, :4].tolist() == first[0, :4].tolist() and out.greedy_ids[1, 0] == first[1, 0]
