@@ -118,10 +118,13 @@ def best_depth(survivals: np.ndarray, step_seconds: StepSeconds) -> int:
     return _depth_search(survivals, step_seconds)[0]
 
 
-def _depth_search(survivals: np.ndarray, step_seconds: StepSeconds) -> tuple[int, np.ndarray | None]:
-    """`best_depth` and the step's price at every depth d = 0..γ (B = R·(1 + d)); None where no row drafted."""
+def _depth_search(survivals: np.ndarray, step_seconds: StepSeconds,
+                  drafted: int | None = None) -> tuple[int, np.ndarray | None]:
+    """`best_depth` and the step's price at every depth d = 0..γ (B = R·(1 + d)); None where no row drafted.
+    `drafted`: the rows with a candidate, where the caller counted them."""
     requests, gamma = survivals.shape
-    drafted = np.count_nonzero(survivals[:, 0]) if gamma else 0
+    if drafted is None:
+        drafted = np.count_nonzero(survivals[:, 0]) if gamma else 0
     if not drafted:
         return 0, None
     # the mean over drafting rows: the others' survivals are 0 (ndarray.mean was ~17 µs of a one-row step)
@@ -183,7 +186,7 @@ class AsyncScheduler:
             return Decision((), 0.0, None, 0)
         drafting = np.count_nonzero(a[:, 0]) if gamma else 0  # rows with candidates: survival 0 where none
         if self.padded:  # for the decision `lag` steps on (and this step's price, where it searched it)
-            best, prices = _depth_search(a, step_seconds)
+            best, prices = _depth_search(a, step_seconds, drafting)
             searched = (best, requests)
         else:
             best, prices = _capacity_search(a, step_seconds)

@@ -258,7 +258,7 @@ class StepScheduler:
 
             self._async = AsyncScheduler(config.confidence_temperatures, padded=config.padded)
 
-    def survivals(self, confidence_logits: torch.Tensor | None) -> np.ndarray | None:
+    def survivals(self, confidence_logits: np.ndarray | None) -> np.ndarray | None:
         """[R, γ] this step's survivals at the configured temperatures, computed once for every reader of the
         step (Algorithm 1 and the drafting gate); None without confidences or in a mode that prices nothing."""
         if confidence_logits is None or self.config.mode not in ("dspark", "async"):

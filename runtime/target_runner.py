@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from dspark.export import contract as C
+from dspark.export.fused_parity import token_index
 
 from .backend import Backend, BoundCall, as_numpy
 from .capacity import CapacityError
@@ -201,7 +202,7 @@ class TargetRunner:
         full = tokens == rows * width  # a binding's token_index starts as every token (`_bind_fused`)
         index = call.feeds["token_index"]
         if not full:
-            np.copyto(index, np.flatnonzero(batch.valid))
+            np.copyto(index, token_index(batch.counts, width))
         call.feeds["input_ids"][...] = batch.ids
         call.feeds["seqlens_k"][...] = batch.starts + width - 1
         call.feeds["total_sequence_length"][...] = longest + width
