@@ -54,6 +54,17 @@ probe's cost, and one row's survivals start the pool as well as four's (demo eng
 decoding at 4 requests, 0.86 → 0.90 at 16).
 When the next probe comes: `probe_spacing` (doubling intervals, each probe's cost a small share of the
 plain steps to the next; one request, which probes itself, spaced by what its probe cost).
+No probe where none could change the decision (`_ceiling`): where drafting every row would not pay by
+`CEILING_MARGIN` (the switching margin) even were every draft accepted, τ = B at every depth, a probe's
+confidences cannot start drafting, and the decline stands without one, pool or no pool, re-priced as any
+decline is (the live cost model may have moved: a slowed target makes drafting cheaper beside it). The
+drafter is priced there at the lesser of the live price and the table's, since only drafting or probes would
+show a drafter the live model learned slow under a passing load to be fast again. The demo engine's table
+says so from 16 requests on (the ceiling: 1.82x plain decoding at 4 requests, 1.05x at 16, 0.94x at 64); the
+100M cost stand-in's never does (1.56x at 1024). Interleaved against the code before (bench sweep runner,
+16-token requests, medians of 11 runs, ÷ max(plain decoding, fixed γ), twice): 0.976 → 1.025 and 0.963 →
+0.998 at 16 requests, 0.990 → 0.998 at 64, 0.973 → 0.984 at 256; the first probe and its landing had cost
+0.2-0.5 ms in each of the first three steps at 16 requests.
 A decline that stands over the same rows is reused without being priced (`standing_decline`), and the
 engine runs such a step as plain decoding does, keeping the drafter's context rows; those two and the spacing took the
 scheduler from 0.852 to 0.894 of the best other policy (plain decoding) at 4 requests on the demo engine, 0.877
@@ -125,6 +136,7 @@ PAYS_MARGIN = 1.25  # Θ_draft ≥ this × Θ_plain: a clear "drafting pays", re
 SWITCH_MARGIN = 1.1  # from a decline to drafting every row, Θ_draft ≥ this × Θ_plain (module docstring)
 CLEAR_DECLINE = 0.8  # Θ_draft < this × Θ_plain: a clear "does not pay", reused up to CLEAR_DECLINE_STEPS
 CLEAR_DECLINE_STEPS = 16  # (a live cost model's cells age out over 32 steps: a longer reuse missed the moment)
+CEILING_MARGIN = SWITCH_MARGIN  # a decline probes only while every draft accepted would pay by this much
 
 
 class DraftingGate(ProbeSpacing):
@@ -158,6 +170,8 @@ class DraftingGate(ProbeSpacing):
         self._paying: tuple[int, int, float] | None = None
         self._paying_steps = 0
         self._last: GatePlan | None = None  # the last plan (standing_decline)
+        # the last decline found that no confidence could make drafting pay (`_ceiling`): it probes no more
+        self._hopeless = False
         self._in_flight = False  # a probe launched and not yet recorded (`launched`)
 
     # -- the decision ---------------------------------------------------------------------------
@@ -172,7 +186,9 @@ class DraftingGate(ProbeSpacing):
         realised acceptance unchanged, reused fewer than `DECLINE_STEPS` times, no probe due. None: call `plan`.
         A declined step's pricing was ~30 µs of host time at 16 requests (demo engine), 2 % of its step."""
         last = self._last  # (a plan that drafted rows stands no longer: it set `_declined` None or moved the pool)
-        if last is None or not self.pool or not self._decline_stands() or self._probe_due(last.requests):
+        if last is None or not self._decline_stands():
+            return None
+        if not self._hopeless and (not self.pool or self._probe_due(last.requests)):
             return None
         self._declined_steps += 1
         return last
@@ -199,9 +215,10 @@ class DraftingGate(ProbeSpacing):
                 return GatePlan(requests, every, catch_up_price(normal, excess, requests), normal, excess)
             reuse = CLEAR_DECLINE_STEPS if with_drafts < CLEAR_DECLINE * plain else DECLINE_STEPS
             self._declined, self._declined_steps = (requests, self.pool_version, excess, normal, reuse), 0
+            self._hopeless = self._ceiling(requests, normal) < CEILING_MARGIN * plain
         self._drafting = False
         normal = self._declined[3]
-        if self._in_flight or (self.pool and not self._probe_due(requests)):
+        if self._in_flight or self._hopeless or (self.pool and not self._probe_due(requests)):
             return GatePlan(requests, every[:0], 0.0, normal, declined=True)
         probe_rows = min(self.probe_rows, (requests + 1) // 2)  # fewer than R where R > 1: anchors verify alone
         rows = every if requests <= probe_rows else np.sort(np.argsort(backlogs, kind="stable")[:probe_rows])
@@ -278,6 +295,15 @@ class DraftingGate(ProbeSpacing):
                 break
             best = theta
         return best, requests / float(self.cost.verify_seconds(requests, requests))
+
+    def _ceiling(self, requests: int, normal: float) -> float:
+        """Θ_draft were every draft accepted (τ = B at every depth, the best of the γ + 1), drafting at the lesser
+        of `normal` and the prior's price (a drafter the live model learned slow under a passing load may be
+        fast again, and only probes would tell)."""
+        prior = getattr(self.cost, "prior", None)  # (a live model's table)
+        draft = normal if prior is None else min(normal, float(prior.draft_seconds(requests)))
+        tokens = requests * (1 + np.arange(self.block_size + 1))
+        return float(np.max(tokens / (draft + np.asarray(self.cost.verify_seconds(requests, tokens)))))
 
     def _path(self, requests: int, scale: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
         """Algorithm 1's admission path over R rows like the pool's, survivals times `scale`: expected

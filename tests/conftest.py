@@ -78,6 +78,16 @@ def random_pair(seed: int, target_overrides: dict | None = None, drafter_overrid
     return target, drafter
 
 
+@pytest.fixture
+def probes_whatever_the_ceiling(monkeypatch):
+    """The drafting gate probes where drafting does not pay, even where no confidence could make it pay (their
+    costs say drafting never pays, to keep the gate declined): for tests of the probes themselves. The rule that
+    skips such probes (`drafting_gate.CEILING_MARGIN`) has its own tests."""
+    from dspark.runtime import drafting_gate
+
+    monkeypatch.setattr(drafting_gate, "CEILING_MARGIN", 0.0)
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """Tiny models: intra-op threads only contend on a shared CPU (many times slower here).

@@ -16,7 +16,7 @@ from dspark.runtime.model_info import ModelInfo
 from dspark.runtime.prefix_scheduler import SchedulerConfig
 from dspark.runtime.torch_backend import TorchBackend
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = pytest.mark.usefixtures("one_thread", "probes_whatever_the_ceiling")
 
 
 def jagged(requests, tokens):

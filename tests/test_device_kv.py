@@ -117,6 +117,7 @@ def test_a_tensor_tree_mask_is_composed_like_the_reference():
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["probes-in-line", "probes-overlapped"])
+@pytest.mark.usefixtures("probes_whatever_the_ceiling")
 @pytest.mark.parametrize("case", ["skip-and-probe", "middle", "long-prompt"])
 def test_probes_and_rows_drafting_apart_over_tensor_caches(case, overlap):
     """The drafting gate's partial steps over tensor caches: probe rows (not one contiguous range) and a

@@ -25,7 +25,7 @@ from dspark.runtime.prefix_scheduler import prefix_schedule, survival
 from dspark.runtime.probe_spacing import FULL_PROBE_EVERY, MAX_PROBE_BACKOFF, PROBE_SHARE, SLOW_DRAFTER, THIN_POOL_ROWS
 from dspark.runtime.stats import StepRecord
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = pytest.mark.usefixtures("one_thread", "probes_whatever_the_ceiling")
 
 GAMMA = 7  # the golden pair's block size
 

@@ -24,7 +24,7 @@ from dspark.runtime.reference_decoder import autoregressive_generate
 from dspark.runtime.stats import StepRecord
 from dspark.runtime.torch_backend import TorchBackend
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = pytest.mark.usefixtures("one_thread", "probes_whatever_the_ceiling")
 
 
 @cache

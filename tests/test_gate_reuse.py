@@ -92,6 +92,7 @@ def test_after_a_decline_drafting_every_row_again_needs_the_switching_margin(mon
     assert gate.plan(backlogs).all == (margin == 1.0)
 
 
+@pytest.mark.usefixtures("probes_whatever_the_ceiling")
 def test_a_standing_decline_is_reused_unpriced_until_a_probe_is_due_or_it_would_be_priced_again(monkeypatch):
     """`standing_decline` (the engine asks it while its active rows stay the same): the last plan again, with no
     pricing, while it drafted no row, the pool has not moved, it was reused fewer than DECLINE_STEPS times and no
@@ -130,6 +131,7 @@ def test_a_standing_decline_is_reused_unpriced_until_a_probe_is_due_or_it_would_
     assert gate.standing_decline() is None
 
 
+@pytest.mark.usefixtures("probes_whatever_the_ceiling")
 @pytest.mark.parametrize("draft_per_request, clear", [(3e-3, True), (8e-4, False)], ids=["clear", "narrow"])
 def test_a_clear_decline_stands_longer(draft_per_request, clear):
     """Θ_draft < CLEAR_DECLINE·Θ_plain: reused unpriced for CLEAR_DECLINE_STEPS steps; a narrow decline for

@@ -15,7 +15,7 @@ from test_drafting_gate_engine import engine_for, greedy, launches, prompts, ref
 from dspark.runtime import probe_spacing
 from dspark.runtime.probe_overlap import MAX_FLIGHT_STEPS, WORKER_SLOWDOWN
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = pytest.mark.usefixtures("one_thread", "probes_whatever_the_ceiling")
 
 
 def test_the_steps_go_on_while_a_probe_drafts():
