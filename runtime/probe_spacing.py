@@ -9,7 +9,7 @@ to `MAX_PROBE_BACKOFF` times `probe_every`, until the gate drafts every row agai
 anew). Not while a live cost model finds the drafter slower than its table (`draft_factor` ≥ `SLOW_DRAFTER`):
 then the decline may be a passing load, and probes are what measures the drafter's speed again, so they keep
 to `probe_every`. The doubling counts probes, not what they cost: a probe also waits until the plain steps
-since it have cost its price over `PROBE_SHARE` (5 %; its price: the catch-up included, or what it took where
+since it have cost its price over `PROBE_SHARE` (2 %; its price: the catch-up included, or what it took where
 that was more), so a dear probe beside cheap plain steps (one row catching up 17-54 context rows, 2.1-2.7 ms,
 beside 0.9 ms steps of 4 requests on the demo engine; priced 1.4-2.0 ms: the first call of a layout binds it,
 and the drafter runs cache-cold after the target) comes no more often than that share allows.
@@ -23,6 +23,12 @@ caused ends within a few steps (it held for 16-128 steps before, often for whole
 drafter, probes come rarely (they came every 17 steps). Demo engine, one request at a time, 16 × 32 tokens,
 interleaved with the code before, ÷ max(plain decoding, fixed γ): 0.921 → 0.979 (11 runs); with the drafter
 slowed 3 ms a call, 0.747 → 0.793 (7 runs). The price of a quick probe: a drafter that recovers is seen later.
+The share was 5 % until 2026-12-07: a probe costs more than its price says, since a probe drafting on the
+worker beside verification slows the target's call on a shared cache (0.15-0.4 ms in each of the three steps
+after the first probe, 4 requests on the demo engine), and most probes on the demo pair find drafting still not
+paying. At 2 %, interleaved against 5 % (bench sweep runner, 16-token requests, medians of 11 runs, twice):
+1.039x and 1.052x at 4 requests, 1.051x and 1.044x at 8, 1.037x and 1.038x at one request; the 100M cost
+stand-in (5 runs) 1.07x at 4 and 1.03x at 16. (1 % was no better: 1.056x, 1.037x, 1.024x.)
 While the gate's pool holds fewer than `THIN_POOL_ROWS` survival rows, one request probes at every declined
 step: the prior (α = 0.5) declines the first step, and a decline resting on one probe's row is as likely one
 unlucky block as the drafter (measured, demo engine, one request at a time, 32 × 32 tokens: a pool of one row,
@@ -40,7 +46,7 @@ from .survival_pool import SurvivalPool
 
 MAX_PROBE_BACKOFF = 8  # probes that keep finding drafting unprofitable come at most this many times rarer
 SLOW_DRAFTER = 1.5  # a live draft factor from which probes do not back off (a slowed drafter may recover)
-PROBE_SHARE = 0.05  # a probe: what it costs beyond plain decoding, at most this share of the plain steps to the next
+PROBE_SHARE = 0.02  # a probe: what it costs beyond plain decoding, at most this share of the plain steps to the next
 FULL_PROBE_EVERY = 4  # one request's probe: no sooner than this many steps after the last
 THIN_POOL_ROWS = 8  # one request probes at once while the gate's pool holds fewer survival rows than this
 

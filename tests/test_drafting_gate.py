@@ -22,7 +22,7 @@ from dspark.runtime.drafting_gate import (
     GatePlan,
 )
 from dspark.runtime.prefix_scheduler import prefix_schedule, survival
-from dspark.runtime.probe_spacing import FULL_PROBE_EVERY, MAX_PROBE_BACKOFF, PROBE_SHARE, SLOW_DRAFTER, THIN_POOL_ROWS
+from dspark.runtime.probe_spacing import FULL_PROBE_EVERY, MAX_PROBE_BACKOFF, SLOW_DRAFTER, THIN_POOL_ROWS
 from dspark.runtime.stats import StepRecord
 
 pytestmark = pytest.mark.usefixtures("one_thread", "probes_whatever_the_ceiling")
@@ -50,6 +50,7 @@ class SplitCost:
         return {"draft_per_request": self.draft_per_request, "per_token": self.per_token}
 
 
+SHARE = 0.05  # PROBE_SHARE where a test's numbers are worked out for a share (its own default may move)
 CHEAP = SplitCost(draft_per_request=1e-6, per_token=1e-5)  # drafting always pays
 DEAR = SplitCost(draft_per_request=1.0, per_token=1e-4)  # drafting never pays
 
@@ -112,20 +113,21 @@ def test_probes_back_off_while_drafting_does_not_pay_and_come_back_once_it_does(
     assert plans[-1].all and gate.probe_interval == gate.probe_every
 
 
-def test_a_probe_of_a_few_rows_waits_until_the_plain_steps_have_paid_for_it():
+def test_a_probe_of_a_few_rows_waits_until_the_plain_steps_have_paid_for_it(monkeypatch):
     """After a probe of a few rows, the next waits until the plain steps since have cost its price over
     PROBE_SHARE (at most the longest backoff), or the doubling interval if that is longer; not while the drafter
     is found slowed."""
+    monkeypatch.setattr(probe_spacing, "PROBE_SHARE", SHARE)
     cost = SplitCost(draft_per_request=9e-4, per_token=1e-4)  # a probe 0.9 ms, a plain step of 8 rows 1.8 ms
     backlogs = np.full(8, 5)  # no catch-up: a probe's price is draft(1)
     gate = DraftingGate(cost, block_size=GAMMA, probe_every=2)
-    spacing = math.ceil(cost.draft_seconds(1) / (PROBE_SHARE * cost.verify_seconds(8, 8)))
+    spacing = math.ceil(cost.draft_seconds(1) / (SHARE * cost.verify_seconds(8, 8)))
     assert 2 < spacing < MAX_PROBE_BACKOFF * 2  # between the first interval and the longest backoff
     intervals = [max(min(2 << k, MAX_PROBE_BACKOFF * 2), spacing) for k in range(6)]
     assert probe_gaps(gate, backlogs) == [i + 1 for i in intervals]  # (without the wait: 3, 5, 9, 17, 17, 17)
     # a probe that took longer than its price is spaced by what it took
     took = 1.5 * cost.draft_seconds(1)
-    longer = math.ceil(took / (PROBE_SHARE * cost.verify_seconds(8, 8)))
+    longer = math.ceil(took / (SHARE * cost.verify_seconds(8, 8)))
     assert spacing < longer < MAX_PROBE_BACKOFF * 2
     assert probe_gaps(DraftingGate(cost, block_size=GAMMA, probe_every=2), backlogs, took) == [
         max(min(2 << k, MAX_PROBE_BACKOFF * 2), longer) + 1 for k in range(6)]
@@ -166,15 +168,16 @@ def test_one_request_probes_at_once_while_the_pool_is_thin():
     assert probes[THIN_POOL_ROWS] - probes[THIN_POOL_ROWS - 1] == FULL_PROBE_EVERY + 1
 
 
-def test_one_requests_probe_is_spaced_by_what_it_cost_beyond_plain_decoding():
+def test_one_requests_probe_is_spaced_by_what_it_cost_beyond_plain_decoding(monkeypatch):
     """One request probes itself: a drafting step, its drafts verified. The next comes once the plain steps since
     have cost its net cost (its time less what plain decoding of the tokens it was expected to yield takes) over
     PROBE_SHARE, no sooner than FULL_PROBE_EVERY steps, no later than the longest backoff; without doubling."""
+    monkeypatch.setattr(probe_spacing, "PROBE_SHARE", SHARE)
     plain = DEAR.verify_seconds(1, 1)
     # a probe that cost what its tokens would have (3 tokens: the anchor's, 2 drafts expected): probes come often
     gaps = one_request_probe_gaps(DraftingGate(DEAR, block_size=GAMMA, probe_every=2), 5, 3 * plain, 2.0)
     assert gaps == [FULL_PROBE_EVERY + 1] * 4  # (+ the probe step; backing off as probes of a few rows: 3, 5, 9, 17)
-    # 0.52 plain steps dearer: ceil(0.52 / PROBE_SHARE) = 11 plain steps between probes
+    # 0.52 plain steps dearer: ceil(0.52 / SHARE) = 11 plain steps between probes
     gaps = one_request_probe_gaps(DraftingGate(DEAR, block_size=GAMMA, probe_every=2), 5, 3.52 * plain, 2.0)
     assert gaps == [12] * 4
     # far dearer (a slowed drafter): at most the longest backoff apart
