@@ -45,7 +45,7 @@ from .prefix_scheduler import Decision, SchedulerConfig, StepScheduler
 from .probe_overlap import ProbeOverlap
 from .prompt_lookup import PromptLookup, drafted_verified, with_copies
 from .proposer import DraftBlock
-from .request_state import RunningRequest
+from .request_state import RunningRequest, within_budget
 from .sampling import round_seed, sample_rows
 from .stats import EngineStats, RequestResult, StepRecord
 from .step_batch import StepBatch
@@ -215,6 +215,8 @@ class BatchEngine(ProbeOverlap, EngineRequests):
         if copies is not None:
             block, candidates = with_copies(copies, block, None if probe_only else survivals, temperatures,
                                             self.info.vocab_size)
+        if candidates is not None and self.scheduler.token_budget:  # no draft past a row's token budget
+            candidates = within_budget(candidates, active)
         if (block is not None and not probe_only) or not self.scheduler.needs_drafts or copies is not None:
             decision = self.planner.decide(requests=rows, block_size=self.info.block_size,
                                            confidence_logits=confidence, survivals=candidates,

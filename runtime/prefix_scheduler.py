@@ -62,6 +62,9 @@ class SchedulerConfig:
     # followed there instead of a DSpark block (prompt_lookup.py); 0: off
     prompt_lookup: int = 3
     lookup_tokens: int | None = None  # the longest copy a request verifies in a step; None: twice the block size
+    # `dspark`, `async`: no draft verified past what a request can still keep (request_state.within_budget); off only
+    # where a test needs drafts verified at a request's last tokens
+    token_budget: bool = True
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:

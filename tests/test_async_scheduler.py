@@ -265,9 +265,12 @@ def demo():
 
 
 def demo_engine(target, drafter, *, max_requests: int, cost, backend=None, pricing: str = "padded") -> BatchEngine:
+    # token_budget off: decisions are replayed from the recorded confidences alone (the budget reads token counts
+    # the record lacks), and the second token's law needs drafts verified at a 2-token request's last token
     return BatchEngine(backend or TorchBackend(target, drafter), ModelInfo.from_models(target, drafter),
                        capacity=Capacity(max_requests, max_requests * 160, 160),
-                       scheduler=SchedulerConfig("async", pricing=pricing), cost_model=CostTable(cost))
+                       scheduler=SchedulerConfig("async", pricing=pricing, token_budget=False),
+                       cost_model=CostTable(cost))
 
 
 GREEDY_TEXTS = ["def parse_args(", "    for line in lines:\n        if ", "import os\nimport sys\n\n",

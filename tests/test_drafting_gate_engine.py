@@ -59,13 +59,15 @@ class Recorder:
         backend._run = recording
 
 
-def engine_for(cost: SplitCost, slots: int = 8, overlap: bool = False) -> tuple[BatchEngine, Recorder]:
-    """`overlap`: probes draft on the worker (probe_overlap); off, a probe step's record shows its rows."""
+def engine_for(cost: SplitCost, slots: int = 8, overlap: bool = False, **config) -> tuple[BatchEngine, Recorder]:
+    """`overlap`: probes draft on the worker (probe_overlap); off, a probe step's record shows its rows. `config`:
+    more SchedulerConfig fields."""
     target, drafter = pair()
     backend = TorchBackend(target, drafter)
     recorder = Recorder(backend)
     engine = BatchEngine(backend, ModelInfo.from_models(target, drafter), capacity=Capacity(slots, 1 << 16, 1024),
-                         scheduler=SchedulerConfig("dspark", prompt_lookup=0, overlap_probes=overlap), cost_model=cost,
+                         scheduler=SchedulerConfig("dspark", prompt_lookup=0, overlap_probes=overlap, **config),
+                         cost_model=cost,
                          kv_mode="concat")
     return engine, recorder
 

@@ -43,8 +43,10 @@ def prompt():
 
 def run_engine(pair, prompt, mode: str, *, max_new_tokens: int, stop: tuple[int, ...] = ()):
     target, drafter = pair
+    # token_budget off: these runs are about a step that commits past max_new_tokens (fixed γ still does)
     engine = BatchEngine(TorchBackend(target, drafter), ModelInfo.from_models(target, drafter),
-                         capacity=Capacity(2, 4096, 256), scheduler=SchedulerConfig(mode), cost_model=COST)
+                         capacity=Capacity(2, 4096, 256), scheduler=SchedulerConfig(mode, token_budget=False),
+                         cost_model=COST)
     request = engine.submit(prompt, max_new_tokens=max_new_tokens, stop_token_ids=stop)
     return engine.run_until_done()[request]
 

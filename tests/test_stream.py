@@ -25,9 +25,10 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def runtime(request):
     target, drafter = load_pair(golden_path(SET, "target"), golden_path(SET, "drafter"))
     # live_cost off: the comparison needs the same decisions in both runs, and a live cost model
-    # decides from wall-clock step times (the output law stays exact either way)
-    options = RuntimeOptions(scheduler=SchedulerConfig(request.param), max_requests=2, max_seq_len=256,
-                             live_cost=False)
+    # decides from wall-clock step times (the output law stays exact either way); token_budget off: a step that
+    # overshoots max_new_tokens is what a cut inside a step needs (fixed γ overshoots anyway)
+    options = RuntimeOptions(scheduler=SchedulerConfig(request.param, token_budget=False), max_requests=2,
+                             max_seq_len=256, live_cost=False)
     with Runtime(TorchBackend(target, drafter), ModelInfo.from_models(target, drafter), options, COST) as rt:
         yield rt
 
