@@ -30,7 +30,11 @@ asked for `PAYS_MARGIN`: the 100M cost stand-in's prior says 1.24x at 4 requests
 and 0.904 → 0.950 of the best other policy at 4 and 16 requests, 5 interleaved runs of 16-token requests. The
 demo engine's prior says 0.46-0.88x at 1-64 requests: it probes.) A clear decision is reused for up to
 `DECLINE_STEPS` steps while what it rests on stands (`_still_declined`; `_still_paying`: drafting paid by
-`PAYS_MARGIN`): pricing was most of a one-request step's scheduling time. A clear decline (Θ_draft <
+`PAYS_MARGIN`; a narrower "pays" for `NARROW_PAYS_STEPS`): pricing was most of a one-request step's scheduling
+time. (A narrow "pays" was priced every step until 2026-12-07: the gate's plan was ~46 µs of a ~2.5 ms step at
+one request, in place after the graph calls; reused one step, interleaved against that, medians of 11 runs:
+1.041x and 1.051x at one request and 1.039x at 2 with 16-token requests, 1.034x at one and 1.049x at 4 with
+32-token requests.) A clear decline (Θ_draft <
 `CLEAR_DECLINE` × Θ_plain) stands for `CLEAR_DECLINE_STEPS`: a decline was priced every ~6 steps at 4 and 16
 requests (~120-240 µs each; now every 8-10), and the longer reuse took the scheduler from 0.915 to 0.934,
 0.919 to 0.949 and 0.962 to 0.979 of plain decoding at 4, 16 and 64 requests (demo engine, 11 interleaved runs).
@@ -133,6 +137,7 @@ ACCEPTANCE_DEADBAND = 0.1  # a ratio this close to 1 is taken as 1
 MAX_ACCEPTANCE_SCALE = 1.5  # confidences that promise less than is accepted are scaled up this much at most
 DECLINE_STEPS = 8  # steps a "drafting does not pay" (or pays by PAYS_MARGIN) is reused while it stands
 PAYS_MARGIN = 1.25  # Θ_draft ≥ this × Θ_plain: a clear "drafting pays", reused like a decline
+NARROW_PAYS_STEPS = 1  # steps a narrower "drafting pays" is reused (drafting_gate's docstring)
 SWITCH_MARGIN = 1.1  # from a decline to drafting every row, Θ_draft ≥ this × Θ_plain (module docstring)
 CLEAR_DECLINE = 0.8  # Θ_draft < this × Θ_plain: a clear "does not pay", reused up to CLEAR_DECLINE_STEPS
 CLEAR_DECLINE_STEPS = 16  # (a live cost model's cells age out over 32 steps: a longer reuse missed the moment)
@@ -166,8 +171,9 @@ class DraftingGate(ProbeSpacing):
         self._declined: tuple[int, int, int, float, int] | None = None
         self._declined_steps = 0
         self._drafting = False  # the last plan drafted every row (a realised acceptance above promise counts)
-        # the last "drafting pays" by PAYS_MARGIN or more: (requests, Σ excess backlog, normal draft seconds)
-        self._paying: tuple[int, int, float] | None = None
+        # the last "drafting pays": (requests, Σ excess backlog, normal draft seconds, steps it may be reused:
+        # DECLINE_STEPS by PAYS_MARGIN or more, else NARROW_PAYS_STEPS)
+        self._paying: tuple[int, int, float, int] | None = None
         self._paying_steps = 0
         self._last: GatePlan | None = None  # the last plan (standing_decline)
         # the last decline found that no confidence could make drafting pay (`_ceiling`): it probes no more
@@ -210,8 +216,8 @@ class DraftingGate(ProbeSpacing):
             if with_drafts > switch * plain:
                 self._declined, self._drafting = None, True
                 self._drafting_again()
-                if with_drafts >= PAYS_MARGIN * plain:
-                    self._paying, self._paying_steps = (requests, excess, normal), 0
+                reuse = DECLINE_STEPS if with_drafts >= PAYS_MARGIN * plain else NARROW_PAYS_STEPS
+                self._paying, self._paying_steps = (requests, excess, normal, reuse), 0
                 return GatePlan(requests, every, catch_up_price(normal, excess, requests), normal, excess)
             reuse = CLEAR_DECLINE_STEPS if with_drafts < CLEAR_DECLINE * plain else DECLINE_STEPS
             self._declined, self._declined_steps = (requests, self.pool_version, excess, normal, reuse), 0
@@ -248,11 +254,12 @@ class DraftingGate(ProbeSpacing):
                         int(self._excess(backlogs[rows]).sum()), plan.declined)
 
     def _still_paying(self, requests: int, excess: int) -> bool:
-        """Whether the last "drafting pays", by `PAYS_MARGIN` or more, stands without pricing the step again:
-        the same rows, backlogs no larger, no step since that drafted and accepted no draft, for up to
-        `DECLINE_STEPS` steps (the pool and the cost model drift by less than the margin in as many)."""
+        """Whether the last "drafting pays" stands without pricing the step again: the same rows, backlogs no
+        larger, no step since that drafted and accepted no draft, for up to `DECLINE_STEPS` steps where it paid
+        by `PAYS_MARGIN` (the pool and the cost model drift by less than the margin in as many), else
+        `NARROW_PAYS_STEPS`."""
         paying = self._paying
-        if paying is None or paying[0] != requests or excess > paying[1] or self._paying_steps >= DECLINE_STEPS:
+        if paying is None or paying[0] != requests or excess > paying[1] or self._paying_steps >= paying[3]:
             return False
         self._paying_steps += 1
         return True

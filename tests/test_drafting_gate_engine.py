@@ -126,7 +126,7 @@ def test_engine_drafts_only_the_probe_rows_from_the_first_step():
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["probes-in-line", "probes-overlapped"])
-@pytest.mark.parametrize(("cost", "steps"), [(DEAR, "p."), (CHEAP, "A"), (SplitCost(3e-4, 1e-4), "Ap.")],
+@pytest.mark.parametrize(("cost", "steps"), [(DEAR, "p."), (CHEAP, "A"), (SplitCost(3.5e-4, 1e-4), "Ap.")],
                          ids=["skip-and-probe", "draft", "middle"])
 def test_greedy_output_is_the_targets_with_skips_probes_and_arrivals(cost, steps, overlap, monkeypatch):
     """`steps`: the kinds of step the run goes through, A every row drafts, p a probe, . none

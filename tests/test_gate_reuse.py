@@ -1,6 +1,6 @@
 """A clear "drafting pays" (by PAYS_MARGIN or more) is reused like a decline: not priced again for up to
 DECLINE_STEPS steps while the rows stay and their backlogs do not grow, and priced at once after a step that
-drafted and bought nothing; a narrow one is priced every step. A clear decline stands longer."""
+drafted and bought nothing; a narrow one is reused for NARROW_PAYS_STEPS steps. A clear decline stands longer."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from dspark.runtime.drafting_gate import (
     CLEAR_DECLINE,
     CLEAR_DECLINE_STEPS,
     DECLINE_STEPS,
+    NARROW_PAYS_STEPS,
     PAYS_MARGIN,
     SWITCH_MARGIN,
     DraftingGate,
@@ -62,7 +63,7 @@ def test_a_clear_pays_is_reused_until_a_step_buys_nothing():
     assert len(calls) == 5  # ... is priced again at once
 
 
-def test_a_narrow_pays_is_priced_every_step():
+def test_a_narrow_pays_is_reused_for_fewer_steps():
     gate, calls = gate_with(per_token=3.5e-4)  # drafting pays, by less than PAYS_MARGIN (enough to switch to it)
     backlogs = np.full(4, 8)
     with_drafts, plain = gate.throughputs(4, gate.cost.draft_seconds(4))
@@ -71,8 +72,12 @@ def test_a_narrow_pays_is_priced_every_step():
     assert plan.all and not plan.probe
     gate.record(plan, confident(len(backlogs), LIKE_THE_PRIOR))
     calls.clear()
-    drafting_steps(gate, backlogs, 4)
-    assert len(calls) == 4
+    drafting_steps(gate, backlogs, 8)
+    assert NARROW_PAYS_STEPS == 1 and len(calls) == 4  # priced, then reused one step, four times
+    drafting_steps(gate, backlogs, 1, accepted=0)  # a step that bought nothing ...
+    calls.clear()
+    drafting_steps(gate, backlogs, 1)
+    assert len(calls) == 1  # ... is priced again at once
 
 
 @pytest.mark.parametrize("margin", [SWITCH_MARGIN, 1.0], ids=["margin", "control-without-margin"])
