@@ -30,13 +30,11 @@ asked for `PAYS_MARGIN`: the 100M cost stand-in's prior says 1.24x at 4 requests
 and 0.904 → 0.950 of the best other policy at 4 and 16 requests, 5 interleaved runs of 16-token requests. The
 demo engine's prior says 0.46-0.88x at 1-64 requests: it probes.) A clear decision is reused for up to
 `DECLINE_STEPS` steps while what it rests on stands (`_still_declined`; `_still_paying`: drafting paid by
-`PAYS_MARGIN`; a narrower "pays" for `NARROW_PAYS_STEPS`): pricing was most of a one-request step's scheduling
-time. (A narrow "pays" was priced every step until 2026-12-07: the gate's plan was ~46 µs of a ~2.5 ms step at
-one request, in place after the graph calls; reused one step, interleaved against that, medians of 11 runs:
-1.041x and 1.051x at one request and 1.039x at 2 with 16-token requests, 1.034x at one and 1.049x at 4 with
-32-token requests.) A clear decline (Θ_draft <
-`CLEAR_DECLINE` × Θ_plain) stands for `CLEAR_DECLINE_STEPS`: a decline was priced every ~6 steps at 4 and 16
-requests (~120-240 µs each; now every 8-10), and the longer reuse took the scheduler from 0.915 to 0.934,
+`PAYS_MARGIN`; a narrower "pays" for `NARROW_PAYS_STEPS`, once priced every step: 1.03-1.05x at 1-4
+requests, README history, 2026-12-07 evening): pricing was most of a one-request step's scheduling time. A
+clear decline (Θ_draft < `CLEAR_DECLINE` × Θ_plain) stands for `CLEAR_DECLINE_STEPS`: a decline was priced
+every ~6 steps at 4 and 16 requests (~120-240 µs each; now every 8-10), and the longer reuse took the scheduler
+from 0.915 to 0.934,
 0.919 to 0.949 and 0.962 to 0.979 of plain decoding at 4, 16 and 64 requests (demo engine, 11 interleaved runs).
 
 Switching. Once the gate has declined, drafting every row again needs Θ_draft ≥ `SWITCH_MARGIN` × Θ_plain
@@ -64,11 +62,8 @@ confidences cannot start drafting, and the decline stands without one, pool or n
 decline is (the live cost model may have moved: a slowed target makes drafting cheaper beside it). The
 drafter is priced there at the lesser of the live price and the table's, since only drafting or probes would
 show a drafter the live model learned slow under a passing load to be fast again. The demo engine's table
-says so from 16 requests on (the ceiling: 1.82x plain decoding at 4 requests, 1.05x at 16, 0.94x at 64); the
-100M cost stand-in's never does (1.56x at 1024). Interleaved against the code before (bench sweep runner,
-16-token requests, medians of 11 runs, ÷ max(plain decoding, fixed γ), twice): 0.976 → 1.025 and 0.963 →
-0.998 at 16 requests, 0.990 → 0.998 at 64, 0.973 → 0.984 at 256; the first probe and its landing had cost
-0.2-0.5 ms in each of the first three steps at 16 requests.
+says so from 16 requests on (ceiling 1.82x plain decoding at 4, 1.05x at 16), the 100M stand-in's never;
+1.04-1.05x at 16 requests (README history, 2026-12-07 evening).
 A decline that stands over the same rows is reused without being priced (`standing_decline`), and the
 engine runs such a step as plain decoding does, keeping the drafter's context rows; those two and the spacing took the
 scheduler from 0.852 to 0.894 of the best other policy (plain decoding) at 4 requests on the demo engine, 0.877
@@ -167,8 +162,9 @@ class DraftingGate(ProbeSpacing):
         # mean survival per depth [γ]; None: to build
         self._candidates: tuple[np.ndarray | None, np.ndarray] | None = None
         # the last "does not pay": (requests, pool_version, Σ excess backlog, normal draft seconds, steps it may be
-        # reused: DECLINE_STEPS, CLEAR_DECLINE_STEPS where clear); steps reused
-        self._declined: tuple[int, int, int, float, int] | None = None
+        # reused: DECLINE_STEPS, CLEAR_DECLINE_STEPS where clear, hopeless: no confidence could make drafting pay,
+        # `_ceiling`, so it probes no more); steps reused
+        self._declined: tuple[int, int, int, float, int, bool] | None = None
         self._declined_steps = 0
         self._drafting = False  # the last plan drafted every row (a realised acceptance above promise counts)
         # the last "drafting pays": (requests, Σ excess backlog, normal draft seconds, steps it may be reused:
@@ -176,8 +172,6 @@ class DraftingGate(ProbeSpacing):
         self._paying: tuple[int, int, float, int] | None = None
         self._paying_steps = 0
         self._last: GatePlan | None = None  # the last plan (standing_decline)
-        # the last decline found that no confidence could make drafting pay (`_ceiling`): it probes no more
-        self._hopeless = False
         self._in_flight = False  # a probe launched and not yet recorded (`launched`)
 
     # -- the decision ---------------------------------------------------------------------------
@@ -194,7 +188,7 @@ class DraftingGate(ProbeSpacing):
         last = self._last  # (a plan that drafted rows stands no longer: it set `_declined` None or moved the pool)
         if last is None or not self._decline_stands():
             return None
-        if not self._hopeless and (not self.pool or self._probe_due(last.requests)):
+        if not self._declined[5] and (not self.pool or self._probe_due(last.requests)):
             return None
         self._declined_steps += 1
         return last
@@ -220,11 +214,11 @@ class DraftingGate(ProbeSpacing):
                 self._paying, self._paying_steps = (requests, excess, normal, reuse), 0
                 return GatePlan(requests, every, catch_up_price(normal, excess, requests), normal, excess)
             reuse = CLEAR_DECLINE_STEPS if with_drafts < CLEAR_DECLINE * plain else DECLINE_STEPS
-            self._declined, self._declined_steps = (requests, self.pool_version, excess, normal, reuse), 0
-            self._hopeless = self._ceiling(requests, normal) < CEILING_MARGIN * plain
+            hopeless = self._ceiling(requests, normal) < CEILING_MARGIN * plain
+            self._declined, self._declined_steps = (requests, self.pool_version, excess, normal, reuse, hopeless), 0
         self._drafting = False
-        normal = self._declined[3]
-        if self._in_flight or self._hopeless or (self.pool and not self._probe_due(requests)):
+        _, _, _, normal, _, hopeless = self._declined
+        if self._in_flight or hopeless or (self.pool and not self._probe_due(requests)):
             return GatePlan(requests, every[:0], 0.0, normal, declined=True)
         probe_rows = min(self.probe_rows, (requests + 1) // 2)  # fewer than R where R > 1: anchors verify alone
         rows = every if requests <= probe_rows else np.sort(np.argsort(backlogs, kind="stable")[:probe_rows])
