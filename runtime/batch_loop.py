@@ -134,11 +134,13 @@ class BatchEngine(ProbeOverlap, EngineRequests):
             self._land_probe(seconds)
             begin = time.perf_counter()
         if self.tiers is not None:
+            self._hand_logged_context()  # (rows may swap in)
             self.tiers.rebalance(self)
         new = self._admit()
         if new:
             if self._probe is not None:  # (its wait counted as the step's prefill)
                 self._land_probe()
+            self._hand_logged_context()  # (rows join)
             self._prefill(new)
             if self.gate is not None:
                 self.gate.admitted(len(new), len(self.active))
@@ -322,6 +324,7 @@ class BatchEngine(ProbeOverlap, EngineRequests):
         active, rows = self.active, len(self.active)
         every = len(drafting) == rows
         if contexts is None:
+            self._hand_logged_context()
             contexts = [active[r].take_context() for r in drafting]
         out = self.drafter.draft(anchors[drafting], starts[drafting], contexts,
                                  None if every else drafting, greedy=not any(temperatures[r] for r in drafting))
@@ -363,9 +366,8 @@ class BatchEngine(ProbeOverlap, EngineRequests):
         gains the target's argmax; the drafter's context rows are kept where it may draft later."""
         greedy = out.logits[:, 0].argmax(axis=-1) if out.greedy_ids is None else out.greedy_ids[:, 0]
         self.target.commit(batch.counts)
-        if self.scheduler.needs_drafts:  # [R, 1, F]: the buffer is the next step's; a row's [1, F] by iteration
-            for a, context in zip(self.active, out.context_features[: batch.rows, :1].copy(), strict=True):
-                a.add_context(context)
+        if self.scheduler.needs_drafts:  # [R, F]: the buffer is the next step's
+            self._log_context(out.context_features[: batch.rows, 0].copy())
         for a, token in zip(self.active, greedy.tolist(), strict=True):
             a.result.tokens.append(token)
             a.result.acceptance_lengths.append(1)
@@ -385,6 +387,7 @@ class BatchEngine(ProbeOverlap, EngineRequests):
         kept = drafts + 1
         self.target.commit(kept)
         if self.scheduler.needs_drafts:  # rows the drafter has not seen yet (several steps' if it skipped)
+            self._hand_logged_context()
             context = batch.gather(out.context_features, kept)
             # one row each (no draft accepted: most steps under load) needs no cumulative sum
             cu = range(len(kept) + 1) if len(context) == len(kept) else [0, *np.cumsum(kept).tolist()]

@@ -32,18 +32,26 @@ class RunningRequest:
     pending_rows: int = 0  # their count, kept as they come: read for every row every step
     fed: int = 0  # of those, rows a drafter before a restart had seen: the gate prices backlogs without them
     lookup: LookupState | None = None  # its n-gram index and estimates, under prompt lookup (prompt_lookup)
+    # the engine's log of plain steps' context rows [R, F] it is row `log_row` of, not yet in `pending`
+    # (`EngineRequests._log_context`); counted in its backlog
+    logged: list[np.ndarray] | None = None
+    log_row: int = 0
 
     @property
     def backlog(self) -> int:
-        return self.pending_rows - self.fed
+        return self.pending_rows - self.fed + (0 if self.logged is None else len(self.logged))
 
     def add_context(self, rows: np.ndarray) -> None:
-        """Context rows [n, F] the drafter has not seen yet."""
+        """Context rows [n, F] the drafter has not seen yet, after any the engine logged for it (handed first)."""
+        if self.logged is not None:
+            raise RuntimeError("context rows still in the engine's log: hand them over first")
         self.pending.append(rows)
         self.pending_rows += len(rows)
 
     def take_context(self) -> list[np.ndarray]:
         """Every pending chunk, handed to the drafter: the backlog is then empty."""
+        if self.logged is not None:  # the engine hands its log over before any row drafts
+            raise RuntimeError("context rows still in the engine's log: hand them over first")
         chunks, self.pending, self.pending_rows, self.fed = self.pending, [], 0, 0
         return chunks
 

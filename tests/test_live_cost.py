@@ -328,3 +328,22 @@ def test_live_models_over_one_prior_table_it_once_while_it_lives():
     del prior, first, second, whole
     gc.collect()
     assert key not in live_cost._PRIOR_TABLES
+
+
+def test_steps_learned_when_a_price_is_read_price_as_steps_learned_at_once():
+    """`observe` queues a step (its host caches are cold right after the graphs); a price or a factor read after any
+    number of queued steps is the one a model that learned each step at once gives, and queued steps stay bounded."""
+    every, lazily = LiveStepCost(PRIOR), LiveStepCost(PRIOR)
+    rng = np.random.default_rng(0)
+    steps = [record(int(r), int(r) * int(w), draft=float(d), verify=float(v), drafted=bool(k))
+             for r, w, d, v, k in zip(rng.integers(1, 9, 300), rng.integers(1, 5, 300), rng.uniform(0.5, 3, 300),
+                                      rng.uniform(0.5, 3, 300), rng.integers(0, 2, 300), strict=True)]
+    for n, step in enumerate(steps):
+        every.observe(step)
+        every._catch_up()  # learned at once, as before the queue
+        lazily.observe(step)
+        assert len(lazily._unseen) < live_cost.UNSEEN_LIMIT
+        if n % 100 == 99:  # read now and then (more steps between than are ever queued)
+            assert lazily.seconds(4, 16) == every.seconds(4, 16)
+            assert lazily.verify_seconds(int(step.requests), 7) == every.verify_seconds(int(step.requests), 7)
+    assert lazily.draft_seconds(3) == every.draft_seconds(3) and lazily.to_dict() == every.to_dict()

@@ -56,7 +56,7 @@ class StepRecorder:
                 continue
             accepted, rounds = result.acceptance_lengths, seen[2]
             progress.append(Progress(seen[0], n, tokens[n:], accepted[rounds:], result.proposal_lengths[rounds:],
-                                     a.pending_rows - a.fed))  # a.backlog, without the property call
+                                     a.backlog))
             seen[1], seen[2], seen[3] = len(tokens), len(accepted), a
         finished = [self._finished(self._seen.pop(rid)[0], result)
                     for rid, result in done.items() if rid in self._seen]
@@ -78,7 +78,8 @@ class StepRecorder:
                 continue
             accepted, rounds = result.acceptance_lengths, seen[2]
             done_rounds = len(accepted)
-            rows += (seen[4], n, total - n, done_rounds - rounds, a.pending_rows - a.fed)  # a.backlog, inline
+            rows += (seen[4], n, total - n, done_rounds - rounds,
+                     a.pending_rows - a.fed + (0 if a.logged is None else len(a.logged)))  # a.backlog, inline
             values += tokens[n:]
             if done_rounds == rounds + 1:  # one round a step (every chain step): two appends, not two slices
                 append(accepted[rounds])
