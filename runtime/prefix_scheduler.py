@@ -21,6 +21,7 @@ over tree nodes instead of chain slots.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -138,8 +139,16 @@ def survival_array(confidence_logits: np.ndarray, temperatures: tuple[float, ...
             raise SchedulerConfigError(
                 f"{len(temperatures)} confidence temperatures for a block of {logits.shape[1]} slots"
             )
-        logits = logits / np.asarray(temperatures[: logits.shape[1]], dtype=np.float64)
+        logits = logits / _temperature_array(tuple(temperatures), logits.shape[1])
     return np.cumprod(np.exp(-np.logaddexp(0.0, -logits)), axis=1)  # σ(x) = exp(-log(1 + e^-x)): no overflow
+
+
+@functools.lru_cache(maxsize=64)
+def _temperature_array(temperatures: tuple[float, ...], slots: int) -> np.ndarray:
+    """The first `slots` temperatures as float64 (read-only, shared: made once, not every step)."""
+    array = np.asarray(temperatures[:slots], dtype=np.float64)
+    array.flags.writeable = False
+    return array
 
 
 class ThroughputRule:
@@ -209,21 +218,30 @@ def admit_by_width(survivals: np.ndarray, throughput: Throughput) -> Decision:
     the d-th draft itself (Appendix A). survivals [R, γ], non-increasing along γ."""
     requests, gamma = survivals.shape
     # τ and Θ from no draft (depth 0: the R anchors) to all γ depths, in one pricing call; the γ + 1 sums and
-    # the scan in Python floats (numpy's cumsum adds in the same order), without numpy's per-call cost
+    # the scan in Python floats (numpy's cumsum adds in the same order), without numpy's per-call cost (~3 µs a
+    # call with the caches cold from the graphs: one row's sums, which are its survivals, read as they are)
+    sums = survivals[0].tolist() if requests == 1 else survivals.sum(axis=0).tolist()
     tau, total = [float(requests)], 0.0
-    for a in survivals.sum(axis=0).tolist():
+    for a in sums:
         total += a
         tau.append(requests + total)
-    theta = throughput(np.array(tau), requests * (1 + np.arange(gamma + 1))).tolist()
-    filled = (survivals.max(axis=0) > 0).tolist()
-    depth = 0
-    while depth < gamma and theta[depth + 1] > theta[depth] and filled[depth]:
+    theta = throughput(np.array(tau), _widths(requests, gamma)).tolist()
+    depth = 0  # (survivals are >= 0: a depth's sum is > 0 where any row's survival is)
+    while depth < gamma and theta[depth + 1] > theta[depth] and sums[depth] > 0:
         depth += 1
     # no row past its own drafts (a DSpark row beside a longer prompt-lookup copy has γ of the copy's width): a
     # sampled row's rejection rule reads the law its drafts were drawn from, which a padding token never had
-    lengths = ((depth,) * requests if depth == 0 or survivals[:, depth - 1].all()
+    lengths = ((depth,) * requests if depth == 0 or requests == 1 or survivals[:, depth - 1].all()
                else tuple(np.minimum((survivals > 0).sum(axis=1), depth).tolist()))
     return Decision(lengths, tau[depth], theta[depth], min(depth + 1, gamma))
+
+
+@functools.lru_cache(maxsize=256)
+def _widths(requests: int, gamma: int) -> np.ndarray:
+    """R·(1 + depth) for depths 0..γ: the tokens an [R, W] verification computes (read-only, shared)."""
+    widths = requests * (1 + np.arange(gamma + 1))
+    widths.flags.writeable = False
+    return widths
 
 
 def prefix_schedule(survival_probs: torch.Tensor | np.ndarray, step_seconds: StepSeconds, *,
