@@ -134,13 +134,13 @@ class BatchEngine(ProbeOverlap, EngineRequests):
             self._land_probe(seconds)
             begin = time.perf_counter()
         if self.tiers is not None:
-            self._hand_logged_context()  # (rows may swap in)
+            self.context_log.hand(self.active)  # (rows may swap in)
             self.tiers.rebalance(self)
         new = self._admit()
         if new:
             if self._probe is not None:  # (its wait counted as the step's prefill)
                 self._land_probe()
-            self._hand_logged_context()  # (rows join)
+            self.context_log.hand(self.active)  # (rows join)
             self._prefill(new)
             if self.gate is not None:
                 self.gate.admitted(len(new), len(self.active))
@@ -324,7 +324,7 @@ class BatchEngine(ProbeOverlap, EngineRequests):
         active, rows = self.active, len(self.active)
         every = len(drafting) == rows
         if contexts is None:
-            self._hand_logged_context()
+            self.context_log.hand(self.active)
             contexts = [active[r].take_context() for r in drafting]
         out = self.drafter.draft(anchors[drafting], starts[drafting], contexts,
                                  None if every else drafting, greedy=not any(temperatures[r] for r in drafting))
@@ -367,7 +367,7 @@ class BatchEngine(ProbeOverlap, EngineRequests):
         greedy = out.logits[:, 0].argmax(axis=-1) if out.greedy_ids is None else out.greedy_ids[:, 0]
         self.target.commit(batch.counts)
         if self.scheduler.needs_drafts:  # [R, F]: the buffer is the next step's
-            self._log_context(out.context_features[: batch.rows, 0].copy())
+            self.context_log.log(out.context_features[: batch.rows, 0], self.active)
         for a, token in zip(self.active, greedy.tolist(), strict=True):
             a.result.tokens.append(token)
             a.result.acceptance_lengths.append(1)
@@ -387,7 +387,7 @@ class BatchEngine(ProbeOverlap, EngineRequests):
         kept = drafts + 1
         self.target.commit(kept)
         if self.scheduler.needs_drafts:  # rows the drafter has not seen yet (several steps' if it skipped)
-            self._hand_logged_context()
+            self.context_log.hand(self.active)
             context = batch.gather(out.context_features, kept)
             # one row each (no draft accepted: most steps under load) needs no cumulative sum
             cu = range(len(kept) + 1) if len(context) == len(kept) else [0, *np.cumsum(kept).tolist()]

@@ -12,9 +12,8 @@ import itertools
 from collections import deque
 from collections.abc import Sequence
 
-import numpy as np
-
 from .capacity import Admission
+from .context_log import ContextLog
 from .kv_cache import SlotCache
 from .kv_tiers import HostTier
 from .model_info import ModelInfo
@@ -42,7 +41,7 @@ class EngineRequests:
         self.finished: dict[int, RequestResult] = {}  # until handed off by take_finished / take_result
         self._ids = itertools.count()
         self._step = 0
-        self._logged: list[np.ndarray] | None = None  # plain steps' context rows over the active rows (_log_context)
+        self.context_log = ContextLog()  # plain steps' context rows over the active rows, not yet handed to them
 
     def submit(
         self,
@@ -143,31 +142,9 @@ class EngineRequests:
         self.admission.release(a.result.request_id)
         self.vacate(row)
 
-    def _log_context(self, features: np.ndarray) -> None:
-        """A plain step's context rows [R, F] (one a row), kept over the active rows as they are until a row
-        drafts, verifies drafts, leaves or joins (`_hand_logged_context`), instead of one `add_context` a row a
-        step: right after the target's call the host caches are cold, and that loop cost 15 µs a step at 4 requests
-        and 66 µs at 64 (demo engine), 1-1.5 % of a plain step. Each row counts the log in its backlog."""
-        if self._logged is None:
-            self._logged = []
-            for row, a in enumerate(self.active):
-                a.logged, a.log_row = self._logged, row
-        self._logged.append(features)
-
-    def _hand_logged_context(self) -> None:
-        """Every logged context row to its row's pending context, in step order, before anything else comes to it
-        (and before the active rows change)."""
-        logged, self._logged = self._logged, None
-        if logged is None:
-            return
-        by_row = np.stack(logged, axis=1)  # [R, steps, F]
-        for a, rows in zip(self.active, by_row, strict=True):
-            a.logged = None
-            a.add_context(rows)
-
     def vacate(self, row: int) -> None:
         """Active row `row` leaves the caches; the last active row moves into it."""
-        self._hand_logged_context()
+        self.context_log.vacate(row, self.active[row])
         last = len(self.active) - 1
         if row != last:
             self.target_kv.move(last, row)

@@ -70,7 +70,7 @@ class ProbeOverlap:
         price predicts, or the last probe took where that was more (on the worker a probe ran ~2x its price: 3.2-5.2
         ms against 1.6-1.8, demo engine at 4 requests), at most `MAX_FLIGHT_STEPS` on; -> the step's plan as the
         gate now has it (no row drafts)."""
-        self._hand_logged_context()
+        self.context_log.hand(self.active)
         contexts = [self.active[r].take_context() for r in plan.rows]  # here: the steps until it lands add rows
         phases: dict[str, float] = {}
         drafted = probe_worker().submit(self._propose, plan.rows, anchors, starts, temperatures, generators,

@@ -32,8 +32,8 @@ class RunningRequest:
     pending_rows: int = 0  # their count, kept as they come: read for every row every step
     fed: int = 0  # of those, rows a drafter before a restart had seen: the gate prices backlogs without them
     lookup: LookupState | None = None  # its n-gram index and estimates, under prompt lookup (prompt_lookup)
-    # the engine's log of plain steps' context rows [R, F] it is row `log_row` of, not yet in `pending`
-    # (`EngineRequests._log_context`); counted in its backlog
+    # the engine's log of plain steps' context rows [rows, F] a step, in which it is row `log_row`, not yet in
+    # `pending` (`context_log`); counted in its backlog
     logged: list[np.ndarray] | None = None
     log_row: int = 0
 

@@ -1,7 +1,7 @@
 """The context rows of plain (declined) steps, logged once a step over the active rows and handed to each row when
-it drafts, verifies drafts, leaves or when rows join (`EngineRequests._log_context`): every request's drafter is fed
-each position's context features exactly once, in order, as the target computes them, and its backlog counts the
-logged rows all along."""
+it drafts or verifies drafts, or rows join (`context_log`): every request's drafter is fed each position's context
+features exactly once, in order, as the target computes them, its backlog counts the logged rows all along, and
+the log follows rows that move, drops finished ones and hands a swapped one its own."""
 
 from __future__ import annotations
 
@@ -14,9 +14,12 @@ from test_drafting_gate_engine import engine_for, pair, prompts
 from dspark.runtime import probe_spacing, prompt_lookup
 from dspark.runtime.batch_loop import BatchEngine
 from dspark.runtime.capacity import Capacity
+from dspark.runtime.context_log import ContextLog
 from dspark.runtime.gate_plan import GatePlan
 from dspark.runtime.model_info import ModelInfo
 from dspark.runtime.prefix_scheduler import SchedulerConfig
+from dspark.runtime.request_state import RunningRequest
+from dspark.runtime.stats import RequestResult
 from dspark.runtime.torch_backend import TorchBackend
 
 pytestmark = pytest.mark.usefixtures("one_thread", "probes_whatever_the_ceiling")
@@ -126,3 +129,45 @@ def test_where_every_row_copies_after_declined_steps_the_log_is_handed_before_th
         given = np.concatenate(chunks)
         assert len(given) > len(finished[request_id].prompt_ids) + 10  # fed the logged and the copies' rows too
         np.testing.assert_allclose(given, target_features(sequences[request_id][: len(given)]), rtol=1e-4, atol=1e-4)
+
+
+def request(request_id: int) -> RunningRequest:
+    return RunningRequest(RequestResult(request_id, [1, 2], [3]), 8, 0.0, frozenset(), None)
+
+
+def features(step: int, active: list[RunningRequest]) -> np.ndarray:
+    """[R, 2]: (request id, step) in each row, so that whose rows went where shows."""
+    return np.array([[a.result.request_id, step] for a in active], dtype=np.float32)
+
+
+def test_the_log_follows_rows_that_move_drops_finished_rows_and_hands_a_swapped_row_its_own():
+    active = [request(i) for i in range(4)]
+    log = ContextLog()
+    for step in range(3):
+        log.log(features(step, active), active)
+    assert [a.backlog for a in active] == [3] * 4
+    active[1].result.finish_reason = "stop"  # row 1 finishes: the last row moves into it
+    log.vacate(1, active[1])
+    active[1] = active.pop()
+    for step in range(3, 5):
+        log.log(features(step, active), active)
+    swapped = active[0]  # row 0 is swapped out, unfinished: it takes its rows
+    log.vacate(0, swapped)
+    active[0] = active.pop()
+    assert swapped.logged is None and np.concatenate(swapped.pending).tolist() == [[0, s] for s in range(5)]
+    log.log(features(5, active), active)
+    assert [a.backlog for a in active] == [6, 6]
+    log.hand(active)
+    for a in active:
+        assert a.logged is None and a.backlog == 6
+        assert np.concatenate(a.pending).tolist() == [[a.result.request_id, s] for s in range(6)]
+    assert log.blocks is None
+
+
+def test_the_log_ends_when_its_last_row_leaves():
+    active = [request(0)]
+    log = ContextLog()
+    log.log(features(0, active), active)
+    active[0].result.finish_reason = "length"
+    log.vacate(0, active[0])
+    assert log.blocks is None and active[0].logged is None and not active[0].pending
