@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from test_drafting_gate import CHEAP, SplitCost
+from test_drafting_gate import CHEAP, DEAR, SplitCost
 from test_drafting_gate_engine import engine_for, pair, prompts
 
 from dspark.runtime import probe_spacing, prompt_lookup
@@ -18,6 +18,9 @@ from dspark.runtime.context_log import ContextLog
 from dspark.runtime.gate_plan import GatePlan
 from dspark.runtime.model_info import ModelInfo
 from dspark.runtime.prefix_scheduler import SchedulerConfig
+from dspark.runtime.recovery.journal import JournalStore
+from dspark.runtime.recovery.recorder import StepRecorder
+from dspark.runtime.recovery.snapshot import RequestSpec
 from dspark.runtime.request_state import RunningRequest
 from dspark.runtime.stats import RequestResult
 from dspark.runtime.torch_backend import TorchBackend
@@ -32,14 +35,8 @@ def target_features(sequence: list[int]) -> np.ndarray:
         return target(torch.tensor([sequence]), torch.arange(len(sequence))[None]).context_features[0].numpy()
 
 
-def run_feeding(monkeypatch) \
-        -> tuple[dict[int, list[np.ndarray]], dict[int, tuple[list[int], int]], list[tuple[int, int, int]]]:
-    """An engine whose gate drafts at 3 rows and declines at 5 (probing in line every probe_every steps), requests
-    of different lengths joining and leaving at different steps -> the context chunks each request's drafter was
-    fed, each request's sequence and prompt length, and for every active row after every step: (its backlog, its
-    positions not fed to its drafter yet, its logged rows)."""
-    monkeypatch.setattr(probe_spacing, "PROBE_SHARE", 1e9)
-    engine, _ = engine_for(SplitCost(3.5e-4, 1e-4), slots=6)  # drafting pays at 3 rows, not at 6
+def record_feeding(engine: BatchEngine, monkeypatch) -> dict[int, list[np.ndarray]]:
+    """request id -> the context chunks its drafter is fed, in order, from now on."""
     fed: dict[int, list[np.ndarray]] = {}
     draft = engine.drafter.draft
 
@@ -50,6 +47,18 @@ def run_feeding(monkeypatch) \
         return draft(anchors, starts, contexts, rows, **options)
 
     monkeypatch.setattr(engine.drafter, "draft", feeding)
+    return fed
+
+
+def run_feeding(monkeypatch) \
+        -> tuple[dict[int, list[np.ndarray]], dict[int, tuple[list[int], int]], list[tuple[int, int, int]]]:
+    """An engine whose gate drafts at 3 rows and declines at 5 (probing in line every probe_every steps), requests
+    of different lengths joining and leaving at different steps -> the context chunks each request's drafter was
+    fed, each request's sequence and prompt length, and for every active row after every step: (its backlog, its
+    positions not fed to its drafter yet, its logged rows)."""
+    monkeypatch.setattr(probe_spacing, "PROBE_SHARE", 1e9)
+    engine, _ = engine_for(SplitCost(3.5e-4, 1e-4), slots=6)  # drafting pays at 3 rows, not at 6
+    fed = record_feeding(engine, monkeypatch)
     p = list(prompts())
     arrivals = {0: [(p[0], 30), (p[1], 45), (p[2], 60), (p[6], 20), (p[7], 36)], 7: [(p[3], 25)],
                 20: [(p[4], 40), (p[5], 50)]}
@@ -109,16 +118,7 @@ def test_where_every_row_copies_after_declined_steps_the_log_is_handed_before_th
         return copies
 
     monkeypatch.setattr(engine.lookup, "propose", proposing)
-    fed: dict[int, list[np.ndarray]] = {}
-    draft = engine.drafter.draft
-
-    def feeding(anchors, starts, contexts, rows=None, **options):
-        ids = [engine.active[r].result.request_id for r in (range(len(engine.active)) if rows is None else rows)]
-        for request_id, chunks in zip(ids, contexts, strict=True):
-            fed.setdefault(request_id, []).extend(np.asarray(c) for c in chunks)
-        return draft(anchors, starts, contexts, rows, **options)
-
-    monkeypatch.setattr(engine.drafter, "draft", feeding)
+    fed = record_feeding(engine, monkeypatch)
     p = list(prompts())
     for prompt in (p[2] * 4, p[1] * 3):  # repeating: every row has a continuation to copy
         engine.submit(list(prompt), max_new_tokens=40)
@@ -171,3 +171,28 @@ def test_the_log_ends_when_its_last_row_leaves():
     active[0].result.finish_reason = "length"
     log.vacate(0, active[0])
     assert log.blocks is None and active[0].logged is None and not active[0].pending
+
+
+def test_the_journal_records_backlogs_with_their_logged_rows(tmp_path):
+    """The recorder's packed rows carry each running request's backlog, logged rows included: a resumed engine's
+    gate prices the catch-up the dead one would."""
+    engine, _ = engine_for(DEAR, slots=4)  # declines: every step after the first probe logs
+    store = JournalStore(tmp_path)
+    store.recover()
+    recorder, ids = StepRecorder(store), {}
+    for i, prompt in enumerate(list(prompts())[:3]):
+        spec = RequestSpec(f"r{i}", list(prompt), 40, 0.0, 0)
+        store.submitted(spec)
+        ids[spec.key] = engine.submit(list(prompt), max_new_tokens=40)
+        recorder.track(ids[spec.key], spec.key)
+    for _ in range(12):
+        engine.step()
+        recorder.record(engine, engine.take_finished())
+    store.close()
+    reopened = JournalStore(tmp_path)
+    recovered = reopened.recover()
+    reopened.close()
+    live = {a.result.request_id: a for a in engine.active}
+    assert all(a.logged for a in live.values())  # the backlogs below include logged rows
+    assert sorted((snap.spec.key, snap.backlog) for snap in recovered.running) == \
+        sorted((key, live[i].backlog) for key, i in ids.items())

@@ -78,8 +78,7 @@ class StepRecorder:
                 continue
             accepted, rounds = result.acceptance_lengths, seen[2]
             done_rounds = len(accepted)
-            rows += (seen[4], n, total - n, done_rounds - rounds,
-                     a.pending_rows - a.fed + (0 if a.logged is None else len(a.logged)))  # a.backlog, inline
+            rows += (seen[4], n, total - n, done_rounds - rounds, a.backlog)
             values += tokens[n:]
             if done_rounds == rounds + 1:  # one round a step (every chain step): two appends, not two slices
                 append(accepted[rounds])
