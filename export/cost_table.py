@@ -10,8 +10,13 @@ B = Σ_r (1 + ℓ_r), so the table is two-dimensional:
     seconds(R, B) = draft(R) + verify(R, B)      SPS(R, B) = 1 / seconds(R, B)
 
 Timing noise on a shared machine can make a larger bucket measure faster than a smaller one;
-lookups use the running maximum over B (verifying more tokens never costs less), the stored
-measurements stay raw. verify(R, B) is then piecewise linear in B between measured buckets
+lookups use the running minimum over B from the largest bucket down, the stored measurements stay raw.
+Verifying B tokens costs no more than verifying B' > B (it could be padded to B'), and noise only adds
+time (a preempted or cold call is slower, never faster), so where a smaller bucket measured slower, it is
+the smaller one that was inflated. (Until 2026-12-08 the running maximum up from the smallest bucket: a
+first cell measured cold, 1.1 ms against 0.69 ms at 2 and 4 tokens on a fresh AMD EPYC machine, then priced
+every plain step at 1.1 ms where it took 0.45, and a fresh engine's drafting gate found drafting paying beside it.)
+verify(R, B) is then piecewise linear in B between measured buckets
 (linear extrapolation past the last one) and piecewise linear in R between measured batch sizes, so
 the prefix scheduler sees a cost that rises with every admitted token rather than in steps. Past
 the largest measured batch R_max, verification keeps R_max's cost along B and adds what a row costs beyond
@@ -84,7 +89,7 @@ class CostTable:
         rows = []
         for row in self.verify:
             points = [(b, v) for b, v in zip(self.buckets, row, strict=True) if v is not None]
-            seconds = list(accumulate((v for _, v in points), max))  # more tokens never cost less
+            seconds = list(accumulate((v for _, v in reversed(points)), min))[::-1]  # never dearer than more tokens
             rows.append(([float(b) for b, _ in points], seconds))
         object.__setattr__(self, "_rows", tuple(rows))  # lookup points, built once (the table is frozen)
         object.__setattr__(self, "_row_cost", self._measured_row_cost())

@@ -17,7 +17,9 @@ and the drafter runs cache-cold after the target) comes no more often than that 
 One request probes itself: a drafting step, its drafts verified, so what it costs is its time beyond plain
 decoding of the tokens Algorithm 1 expected of it (a backlog's catch-up scaled out, as the live cost model
 learns drafting; what one step accepts is too noisy a price). The next probe waits until the plain steps since
-have cost that over `PROBE_SHARE`, at least `FULL_PROBE_EVERY` steps, at most the longest backoff, without
+have cost that over `PROBE_SHARE`, at least `FULL_PROBE_EVERY` steps, at most `MAX_FULL_PROBE_BACKOFF` times
+`probe_every` (512 steps; 128 until 2026-12-08: on an AMD EPYC host, where a one-request probe took 2.3-3.4 ms
+beside 0.36-0.45 ms plain steps, probes every ~75 steps were 3.7 % of a warm engine's time), without
 doubling and whatever the draft factor: where drafting nearly pays, a decline that one unlucky stretch of text
 caused ends within a few steps (it held for 16-128 steps before, often for whole requests); beside a far slower
 drafter, probes come rarely (they came every 17 steps). Demo engine, one request at a time, 16 × 32 tokens,
@@ -45,6 +47,7 @@ from .gate_plan import GatePlan, SplitStepCost
 from .survival_pool import SurvivalPool
 
 MAX_PROBE_BACKOFF = 8  # probes that keep finding drafting unprofitable come at most this many times rarer
+MAX_FULL_PROBE_BACKOFF = 4 * MAX_PROBE_BACKOFF  # the same where one request probes itself, spaced by its net cost
 SLOW_DRAFTER = 1.5  # a live draft factor from which probes do not back off (a slowed drafter may recover)
 PROBE_SHARE = 0.02  # a probe: what it costs beyond plain decoding, at most this share of the plain steps to the next
 FULL_PROBE_EVERY = 4  # one request's probe: no sooner than this many steps after the last
@@ -89,7 +92,7 @@ class ProbeSpacing:
                 step_seconds -= drafting_seconds * (1.0 - plan.normal / plan.price)
             net = step_seconds - (1.0 + expected) * plain
             self._full_after = min(max(math.ceil(net / (PROBE_SHARE * plain)), FULL_PROBE_EVERY),
-                                   MAX_PROBE_BACKOFF * self.probe_every)
+                                   MAX_FULL_PROBE_BACKOFF * self.probe_every)
 
     def _probe_due(self, requests: int) -> bool:
         """Whether a declined step probes (module docstring). The wait after a probe of a few rows is priced once

@@ -22,7 +22,13 @@ from dspark.runtime.drafting_gate import (
     GatePlan,
 )
 from dspark.runtime.prefix_scheduler import prefix_schedule, survival
-from dspark.runtime.probe_spacing import FULL_PROBE_EVERY, MAX_PROBE_BACKOFF, SLOW_DRAFTER, THIN_POOL_ROWS
+from dspark.runtime.probe_spacing import (
+    FULL_PROBE_EVERY,
+    MAX_FULL_PROBE_BACKOFF,
+    MAX_PROBE_BACKOFF,
+    SLOW_DRAFTER,
+    THIN_POOL_ROWS,
+)
 from dspark.runtime.stats import StepRecord
 
 pytestmark = pytest.mark.usefixtures("one_thread", "probes_whatever_the_ceiling")
@@ -182,7 +188,7 @@ def test_one_requests_probe_is_spaced_by_what_it_cost_beyond_plain_decoding(monk
     assert gaps == [12] * 4
     # far dearer (a slowed drafter): at most the longest backoff apart
     gaps = one_request_probe_gaps(DraftingGate(DEAR, block_size=GAMMA, probe_every=2), 5, 50 * plain, 2.0)
-    assert gaps == [MAX_PROBE_BACKOFF * 2 + 1] * 4
+    assert gaps == [MAX_FULL_PROBE_BACKOFF * 2 + 1] * 4
     # a backlog's catch-up is the backlog's cost, not drafting's: scaled out as in what the cost model learns
     gate = DraftingGate(DEAR, block_size=GAMMA, probe_every=2)
     plan = gate.plan(np.array([40]))

@@ -142,8 +142,10 @@ def test_cost_table_interpolates_and_never_gets_cheaper_with_more_tokens():
     one = CostTable((2,), (2, 4), ((2e-3, 3e-3),), (1e-3,))  # one batch: no row cost to read, copies of it
     assert one.verify_seconds(4, 8) == pytest.approx(2 * one.verify_seconds(2, 4))
     assert t.sps(2, 4) == pytest.approx(1 / (1.5e-3 + 2.5e-3))
-    noisy = CostTable((1,), (1, 2, 4), ((2e-3, 1e-3, 3e-3),), (0.0,))  # bucket 2 measured faster
-    assert noisy.verify_seconds(1, 2) == pytest.approx(2e-3)
+    noisy = CostTable((1,), (1, 2, 4), ((2e-3, 1e-3, 3e-3),), (0.0,))  # bucket 1 measured slower than 2
+    assert noisy.verify_seconds(1, 1) == pytest.approx(1e-3)  # its cost is at most bucket 2's
+    assert noisy.verify_seconds(1, 2) == pytest.approx(1e-3)
+    assert noisy.verify_seconds(1, 3) == pytest.approx(2e-3)
     assert [noisy.seconds(1, b) for b in range(1, 9)] == sorted(noisy.seconds(1, b) for b in range(1, 9))
     with pytest.raises(ValueError, match="no measured bucket"):
         CostTable((1, 2), (1,), ((1e-3,), (None,)), (0.0, 0.0))

@@ -90,6 +90,26 @@ def test_a_slowdown_is_followed_within_bounded_steps_and_undone_as_fast():
     assert 2 <= back <= 17
 
 
+def test_plain_steps_are_learned_one_in_plain_stride_and_a_slowdown_of_them_still_followed():
+    """Plain steps (no drafting, B = R) like the last learned are learned one in PLAIN_STRIDE (each learned step was
+    ~8 µs of a ~0.45 ms one-request step): the clock counts them all, and a slowdown of plain decoding is followed
+    within horizon/2 + PLAIN_STRIDE steps; drafting steps are all learned."""
+    live = LiveStepCost(PRIOR)  # horizon 32 steps
+    for _ in range(32):  # (within the horizon: none aged out)
+        live.observe(record(4, 4, drafted=False))
+    assert live.verify_seconds(4, 4) == pytest.approx(PRIOR.verify_seconds(4, 4))
+    plain_cell = live.verify_ratios.cells[bucket(4), bucket(4)]
+    assert live.steps == 32 and len(plain_cell) == 32 // live_cost.PLAIN_STRIDE
+    for _ in range(8):
+        live.observe(record(4, 16))
+    live.verify_seconds(4, 16)
+    assert len(live.verify_ratios.cells[bucket(4), bucket(16)]) == 8  # drafting steps: every one
+    slowed = record(4, 4, verify=2.0, drafted=False)
+    followed = next(n for n in range(1, 40) if live.observe(slowed) is None
+                    and live.verify_seconds(4, 4) > 1.9 * PRIOR.verify_seconds(4, 4))
+    assert 2 <= followed <= 16 + live_cost.PLAIN_STRIDE
+
+
 def test_outliers_do_not_move_it():
     live = LiveStepCost(PRIOR)
     for i in range(200):
