@@ -30,7 +30,6 @@ import torch
 
 from .backend import Backend, as_numpy
 from .capacity import Admission, Capacity
-from .chain_verifier import verify_chains
 from .cost_model import StepCost, StepCostModel
 from .drafter_runner import DrafterRunner, scatter_block
 from .drafting_gate import DraftingGate
@@ -49,6 +48,7 @@ from .request_state import RunningRequest, within_budget
 from .sampling import round_seed, sample_rows
 from .stats import EngineStats, RequestResult, StepRecord
 from .step_batch import StepBatch
+from .step_reconcile import StepReconcile
 from .target_runner import TargetRunner, kv_mode_for
 from .tree_step import TreeStepper
 
@@ -59,7 +59,7 @@ def _phase(seconds: dict[str, float], name: str, begin: float) -> float:
     return now
 
 
-class BatchEngine(ProbeOverlap, EngineRequests):
+class BatchEngine(ProbeOverlap, StepReconcile, EngineRequests):
     """Continuous batching over a `Backend` with the export contract's graphs.
 
     `kv_mode` picks the target graph and how its keys/values are held (`target_runner`): `packed` or
@@ -171,8 +171,11 @@ class BatchEngine(ProbeOverlap, EngineRequests):
         # the same rows as the gate's last step (a list compared by identity): a decline may stand unpriced, and
         # where every row is greedy the step is plain decoding, before any of the general step's work
         standing = self.gate.standing_decline() if self.gate is not None and self.active == self._gated else None
+        copies = None  # prompt-lookup drafts (prompt_lookup): one request may copy in a declined step
         if standing is not None and greedy:
-            return self._declined_step(standing, len(new), seconds, begin, bindings)
+            copies = self._declined_copies(standing)
+            if copies is None:
+                return self._declined_step(standing, len(new), seconds, begin, bindings)
         rows, active = len(self.active), self.active
         anchors = np.fromiter((a.anchor for a in active), np.int64, rows)
         starts = np.fromiter((a.start for a in active), np.int64, rows)
@@ -193,16 +196,17 @@ class BatchEngine(ProbeOverlap, EngineRequests):
                 drafting = plan.rows
             elif len(drafting) and self._probe is not None:
                 self._land_probe(seconds)
-            if not len(drafting) and greedy:  # declined, every row greedy: plain decoding
-                return self._declined_step(plan, len(new), seconds, begin, bindings)
+            if not len(drafting) and copies is None:
+                copies = self._declined_copies(plan)
+                if copies is None and greedy:  # declined, every row greedy: plain decoding
+                    return self._declined_step(plan, len(new), seconds, begin, bindings)
         # rows that copy instead, where every row drafts because it pays: a copy replaces a block worth drafting
-        copies = (self.lookup.propose(active, self.target_kv.max_len - 1 - int(starts.max()))
-                  if self.lookup is not None and len(drafting) == rows and (plan is None or not plan.declined)
-                  else None)
+        if copies is None and self.lookup is not None and len(drafting) == rows and (plan is None or not plan.declined):
+            copies = self.lookup.propose(active, self.target_kv.max_len - 1 - int(starts.max()))
         # a probe under padded verification verifies anchors only: it is there for the drafted rows'
         # confidences (the gate's pool), and their drafts would pad every row to their width
         probe_only = plan is not None and plan.probe and self.scheduler.padded
-        if copies is not None:
+        if copies is not None and len(drafting):  # (a declined step's copy: no row drafted)
             drafting = np.delete(drafting, copies.rows)  # every row drafted: row r is drafting[r]
             if plan is not None:
                 plan = self.gate.narrowed(plan, drafting, backlogs)
@@ -264,6 +268,14 @@ class BatchEngine(ProbeOverlap, EngineRequests):
             copied_rows=() if copies is None else tuple(copies.rows.tolist()),
         )
         return self._finish(record, plan, bindings)
+
+    def _declined_copies(self, plan: GatePlan):
+        """One request in a step the gate declined: its prompt-lookup copy where verifying it beats plain decoding
+        (`PromptLookup.propose_alone`), else None."""
+        if self.lookup is None or len(self.active) != 1 or len(plan.rows):
+            return None
+        a = self.active[0]
+        return self.lookup.propose_alone(a, self.target_kv.max_len - 1 - a.start)
 
     def _declined_step(self, plan: GatePlan, admitted: int, seconds: dict[str, float], begin: float,
                        bindings: tuple[int, int]) -> StepRecord:
@@ -360,46 +372,3 @@ class BatchEngine(ProbeOverlap, EngineRequests):
             a.pending, a.pending_rows = [], 0  # `fed` stays: a resumed request's drafter had seen those rows
             a.add_context(context[batch.cu_counts[r] : batch.cu_counts[r + 1]])
             self.active.append(a)
-
-    def _commit_anchors(self, batch: StepBatch, out) -> list[int]:
-        """A step that verified anchors only, every row greedy (plain decoding, a declined step): each row
-        gains the target's argmax; the drafter's context rows are kept where it may draft later."""
-        greedy = out.logits[:, 0].argmax(axis=-1) if out.greedy_ids is None else out.greedy_ids[:, 0]
-        self.target.commit(batch.counts)
-        if self.scheduler.needs_drafts:  # [R, F]: the buffer is the next step's
-            self.context_log.log(out.context_features[: batch.rows, 0], self.active)
-        for a, token in zip(self.active, greedy.tolist(), strict=True):
-            a.result.tokens.append(token)
-            a.result.acceptance_lengths.append(1)
-            a.result.proposal_lengths.append(0)
-            a.start += 1
-            a.anchor = token
-        return [1] * batch.rows
-
-    def _reconcile(self, batch: StepBatch, out, block, temperatures: list[float],
-                   generators: list[torch.Generator | None]) -> list[int]:
-        """Accept, commit the accepted KV entries, hand the new context rows to the drafter, and
-        append each request's tokens."""
-        if batch.width == 1 and not any(temperatures):
-            return self._commit_anchors(batch, out)
-        drafts, bonus = verify_chains(batch, out.logits, out.greedy_ids, None if block is None else block.logits,
-                                      temperatures, generators)
-        kept = drafts + 1
-        self.target.commit(kept)
-        if self.scheduler.needs_drafts:  # rows the drafter has not seen yet (several steps' if it skipped)
-            self.context_log.hand(self.active)
-            context = batch.gather(out.context_features, kept)
-            # one row each (no draft accepted: most steps under load) needs no cumulative sum
-            cu = range(len(kept) + 1) if len(context) == len(kept) else [0, *np.cumsum(kept).tolist()]
-            for r, a in enumerate(self.active):
-                a.add_context(context[cu[r] : cu[r + 1]])
-        ids, kept_list, bonus_list = batch.ids.tolist(), kept.tolist(), bonus.tolist()
-        lengths = (batch.counts - 1).tolist()
-        for a, row, n, b, k in zip(self.active, ids, kept_list, bonus_list, lengths, strict=True):
-            a.result.tokens += row[1:n]
-            a.result.tokens.append(b)
-            a.result.acceptance_lengths.append(n)
-            a.result.proposal_lengths.append(k)
-            a.start += n
-            a.anchor = b
-        return kept_list

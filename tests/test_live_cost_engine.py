@@ -189,7 +189,8 @@ def test_only_schedulers_that_price_steps_get_the_cost_model(mode, priced):
 def test_steps_whose_calls_bind_new_layouts_teach_the_live_model_nothing_of_their_speed():
     """A call that binds a graph layout pays the binding and its first run (live_cost.warm_record): a step whose
     verification bound one is not learned at all, one whose drafter alone did is learned without its drafting;
-    warm drafting steps are learned as they ran."""
+    warm steps are learned as they ran (a drafting step that caught a backlog up: its drafting scaled to a normal
+    step's, DraftingGate.observed)."""
     from dspark.tools.demo_engine import demo_engine_dir
 
     options = RuntimeOptions(scheduler=SchedulerConfig("dspark", prompt_lookup=0), max_requests=1, max_seq_len=160)
@@ -213,7 +214,8 @@ def test_steps_whose_calls_bind_new_layouts_teach_the_live_model_nothing_of_thei
                 elif engine.drafter.bindings_made != drafter and step.drafted:
                     kinds.append("drafter bound")
                     assert len(taught) == 1 and not taught[0].drafted and "draft" not in taught[0].seconds
-                else:
-                    kinds.append("warm drafting" if step.drafted else "warm")
-                    assert taught == [step]
+                else:  # learned, its verification as it ran; its drafting too, or scaled to a normal step's
+                    kinds.append("warm drafting" if step.drafted else "warm")  # (a backlog's catch-up: `observed`)
+                    assert len(taught) == 1 and taught[0].seconds["verify"] == step.seconds["verify"]
+                    assert all(taught[0].seconds.get(k, 0.0) <= step.seconds.get(k, 0.0) for k in ("draft", "heads"))
     assert kinds[0] == "target bound" and "drafter bound" in kinds and "warm drafting" in kinds, kinds
