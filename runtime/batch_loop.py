@@ -171,11 +171,8 @@ class BatchEngine(ProbeOverlap, StepReconcile, EngineRequests):
         # the same rows as the gate's last step (a list compared by identity): a decline may stand unpriced, and
         # where every row is greedy the step is plain decoding, before any of the general step's work
         standing = self.gate.standing_decline() if self.gate is not None and self.active == self._gated else None
-        copies = None  # prompt-lookup drafts (prompt_lookup): one request may copy in a declined step
         if standing is not None and greedy:
-            copies = self._declined_copies(standing)
-            if copies is None:
-                return self._declined_step(standing, len(new), seconds, begin, bindings)
+            return self._declined_step(standing, len(new), seconds, begin, bindings)
         rows, active = len(self.active), self.active
         anchors = np.fromiter((a.anchor for a in active), np.int64, rows)
         starts = np.fromiter((a.start for a in active), np.int64, rows)
@@ -196,17 +193,16 @@ class BatchEngine(ProbeOverlap, StepReconcile, EngineRequests):
                 drafting = plan.rows
             elif len(drafting) and self._probe is not None:
                 self._land_probe(seconds)
-            if not len(drafting) and copies is None:
-                copies = self._declined_copies(plan)
-                if copies is None and greedy:  # declined, every row greedy: plain decoding
-                    return self._declined_step(plan, len(new), seconds, begin, bindings)
+            if not len(drafting) and greedy:  # declined, every row greedy: plain decoding
+                return self._declined_step(plan, len(new), seconds, begin, bindings)
         # rows that copy instead, where every row drafts because it pays: a copy replaces a block worth drafting
-        if copies is None and self.lookup is not None and len(drafting) == rows and (plan is None or not plan.declined):
-            copies = self.lookup.propose(active, self.target_kv.max_len - 1 - int(starts.max()))
+        copies = (self.lookup.propose(active, self.target_kv.max_len - 1 - int(starts.max()))
+                  if self.lookup is not None and len(drafting) == rows and (plan is None or not plan.declined)
+                  else None)
         # a probe under padded verification verifies anchors only: it is there for the drafted rows'
         # confidences (the gate's pool), and their drafts would pad every row to their width
         probe_only = plan is not None and plan.probe and self.scheduler.padded
-        if copies is not None and len(drafting):  # (a declined step's copy: no row drafted)
+        if copies is not None:
             drafting = np.delete(drafting, copies.rows)  # every row drafted: row r is drafting[r]
             if plan is not None:
                 plan = self.gate.narrowed(plan, drafting, backlogs)
@@ -268,14 +264,6 @@ class BatchEngine(ProbeOverlap, StepReconcile, EngineRequests):
             copied_rows=() if copies is None else tuple(copies.rows.tolist()),
         )
         return self._finish(record, plan, bindings)
-
-    def _declined_copies(self, plan: GatePlan):
-        """One request in a step the gate declined: its prompt-lookup copy where verifying it beats plain decoding
-        (`PromptLookup.propose_alone`), else None."""
-        if self.lookup is None or len(self.active) != 1 or len(plan.rows):
-            return None
-        a = self.active[0]
-        return self.lookup.propose_alone(a, self.target_kv.max_len - 1 - a.start)
 
     def _declined_step(self, plan: GatePlan, admitted: int, seconds: dict[str, float], begin: float,
                        bindings: tuple[int, int]) -> StepRecord:

@@ -6,14 +6,11 @@ no drafter call (onnxruntime-genai's and vLLM's n-gram speculation, transformers
 Here it is a second proposer, per request and per step: a request whose history has such a
 match verifies the copied tokens instead of drafting with DSpark when copying is expected to return
 more tokens per second, and is then skipped by the drafter (its context rows wait for its next
-DSpark step, like a row the drafting gate left out). Where requests share a step, only in steps where the
-drafting gate lets every row draft: a copy replaces a block that drafting was expected to pay for, and never
-adds verification where the gate found drafting does not pay (measured, 16 requests on the demo engine: copies
-verified in steps the gate declined widened the padded verification 2.8x for 1.5x the accepted tokens, and the
-run ran at 0.57x the gate's). One request alone widens nobody's verification: in a step the gate declined it
-copies where verifying the copy beats plain decoding (`propose_alone`); no drafter runs either way. Measured
-on an AMD EPYC host, where the demo drafter cost ~1.6 plain steps and the gate declined one request's drafting
-(fixed γ ran 0.6-0.8x plain decoding there): see README history, 2026-12-08.
+DSpark step, like a row the drafting gate left out). Only in steps where the drafting gate lets every
+row draft: a copy replaces a block that drafting was expected to pay for, and never adds verification
+where the gate found drafting does not pay (measured, 16 requests on the demo engine: copies verified
+in steps the gate declined widened the padded verification 2.8x for 1.5x the accepted tokens, and the
+run ran at 0.57x the gate's).
 
 The choice. Each request keeps the copied drafts' acceptance, p = per-token chance that a copied
 draft survives given its prefix did (successes and failures of its own lookup steps, decayed by
@@ -197,31 +194,6 @@ class PromptLookup:
             tokens[r, : len(copy)] = copy
             survivals[r] = row
         return None if not chosen else LookupDrafts(np.array(chosen, np.int64), tokens, survivals)
-
-    def propose_alone(self, request, room: int) -> LookupDrafts | None:
-        """One request (RunningRequest) in a step the drafting gate declined: its copy where verifying a prefix of
-        it is expected to return more tokens a second than plain decoding, max over ℓ of (1 + Σ_{j≤ℓ} p^j) /
-        verify(1, 1 + ℓ) ≥ 1 / verify(1, 1) (module docstring); None otherwise. `room`: drafts its slot still
-        holds past its anchor."""
-        verify = getattr(self.cost, "verify_seconds", None)
-        if verify is None:
-            return None
-        if request.lookup is None:
-            request.lookup = LookupState(self.n)
-        state = request.lookup
-        limit = min(self.max_tokens, request.max_new_tokens - len(request.result.tokens), room)
-        copy = state.continuation(request.result.prompt_ids, request.result.tokens, limit) if limit > 0 else []
-        if not copy:
-            return None
-        row = state.survivals(len(copy), self.width)
-        tokens = 1.0 + np.cumsum(row[: len(copy)])  # expected tokens of each prefix, anchor's included
-        prices = np.asarray(verify(1, 1 + np.arange(1, len(copy) + 1)), dtype=np.float64)
-        if float((tokens / prices).max()) * float(verify(1, 1)) < 1.0:
-            state.forget()
-            return None
-        drafts = np.zeros((1, self.width), np.int64)
-        drafts[0, : len(copy)] = copy
-        return LookupDrafts(np.zeros(1, np.int64), drafts, row[None])
 
     def record(self, active: list, copies: LookupDrafts | None, drafted: np.ndarray,
                survivals: np.ndarray | None, lengths: np.ndarray, accepted: list[int]) -> None:

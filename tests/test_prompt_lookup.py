@@ -1,8 +1,7 @@
 """Prompt-lookup drafts beside DSpark's: the incremental n-gram index against a brute-force search, the
 per-request estimates, the copy-or-draft rule, and the engine on the demo pair: greedy output stays the
 target's own, copies are used where history repeats, a request whose copies fail stops copying, nothing is
-copied in steps where the drafting gate declines for requests that share the step (one request alone copies
-where verifying the copy beats plain decoding), and sampled copies keep the target's law (chi-square against
+copied in steps where the drafting gate declines, and sampled copies keep the target's law (chi-square against
 the exact law, with a control that verifies copies under a wrong q and must fail)."""
 
 from __future__ import annotations
@@ -103,30 +102,6 @@ def test_nothing_is_weighed_before_a_dspark_block_and_sampling_rows_copy_with_a_
     q = torch.softmax(logits[1], dim=-1)  # the sampling row's draft law: all mass on its copy
     assert torch.equal(q, torch.nn.functional.one_hot(torch.tensor([6, 7, 8, 5]), 10).float())
     assert copy_logits(copies, None, [0.0, 0.0, 0.0], vocab_size=10) is None  # greedy rows read no logits
-
-
-def test_one_request_alone_copies_where_verifying_the_copy_beats_plain_decoding():
-    """A declined step of one request: a copy is verified where some prefix of it is expected to return more
-    tokens a second than plain decoding; no DSpark block is needed to weigh it against."""
-    flat = SimpleNamespace(verify_seconds=lambda requests, tokens: 1e-3 + 1e-5 * np.asarray(tokens))
-    steep = SimpleNamespace(verify_seconds=lambda requests, tokens: 1e-3 * np.asarray(tokens))  # a token a ms
-    repeating = [5, 6, 7, 8] * 4
-    copies = PromptLookup(2, block_size=4, cost=flat, max_tokens=4).propose_alone(request(repeating, [5]), room=64)
-    assert copies.rows.tolist() == [0] and copies.tokens[0].tolist() == [6, 7, 8, 5]
-    assert copies.survivals[0, 0] == pytest.approx(prompt_lookup.PRIOR_ACCEPTANCE)
-    alone = request(repeating, [5])
-    assert PromptLookup(2, block_size=4, cost=steep, max_tokens=4).propose_alone(alone, room=64) is None
-    assert alone.lookup.successes == alone.lookup.failures == 0.0  # (forget: nothing learned yet to fade)
-    # a copy whose acceptance has fallen does not pay even where verifying is nearly flat
-    failing = request(repeating, [5])
-    lookup = PromptLookup(2, block_size=4, cost=SimpleNamespace(
-        verify_seconds=lambda requests, tokens: 1e-3 + 2e-4 * np.asarray(tokens)), max_tokens=4)
-    assert lookup.propose_alone(failing, room=64) is not None
-    for _ in range(10):
-        failing.lookup.verified(4, 0)
-    assert lookup.propose_alone(failing, room=64) is None
-    assert lookup.propose_alone(request([1, 2, 3], [4]), room=64) is None  # no earlier match
-    assert PromptLookup(2, block_size=4).propose_alone(request(repeating, [5]), room=64) is None  # nothing to price
 
 
 def test_copies_run_past_the_block_but_never_past_what_the_request_still_needs():
@@ -238,28 +213,12 @@ def test_a_request_whose_copies_fail_stops_copying(pair, monkeypatch):
     assert honest.lookup.copies / honest.steps_run >= 2 * engine.lookup.copies / steps  # measured: 11 of 18
 
 
-def test_no_copies_where_the_gate_declines_drafting_for_requests_that_share_a_step(pair):
+def test_no_copies_where_the_gate_declines_drafting(pair):
     table = device_table()
     slow = CostTable(table.batches, table.buckets, table.verify, tuple(100 * d for d in table.draft))
     _, engine = decode(pair, SchedulerConfig("dspark", prompt_lookup=3), slow)
     drafted = [s for s in engine.stats.steps if s.confidence_logits is not None]
-    assert len(drafted) <= 2 + engine.steps_run // 16  # probes alone drafted
-    assert not any(s.copied_rows for s in engine.stats.steps if s.requests > 1)
-
-
-@pytest.mark.parametrize("mode", ["dspark", "async"])
-def test_one_request_copies_in_declined_steps_and_stays_the_targets(pair, mode):
-    """Where the gate declines drafting for one request, its copies are still verified where they beat plain
-    decoding (no drafter call either way), and its output is the target's own."""
-    table = device_table()
-    slow = CostTable(table.batches, table.buckets, table.verify, tuple(100 * d for d in table.draft))
-    plain, _ = decode(pair, SchedulerConfig("off"), slow, prompts=PROMPTS[:1])
-    copied, engine = decode(pair, SchedulerConfig(mode, prompt_lookup=3), slow, prompts=PROMPTS[:1])
-    assert copied == plain
-    drafted = [s for s in engine.stats.steps if s.confidence_logits is not None]
-    assert len(drafted) <= 2 + engine.steps_run // 16  # the drafter: probes alone
-    assert engine.lookup.copies >= 3 and engine.lookup.copies_accepted > engine.lookup.copies
-    assert engine.steps_run < len(plain[0]) - engine.lookup.copies_accepted // 2  # fewer steps than tokens
+    assert engine.lookup.copies == 0 and len(drafted) <= 2 + engine.steps_run // 16  # probes alone drafted
 
 
 def test_sampling_rows_decode_beside_copying_greedy_rows(pair):
