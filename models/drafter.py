@@ -117,6 +117,7 @@ class DSparkDrafter(nn.Module):
         base_logits: torch.Tensor,  # [N, V] = base_logits(hidden)
         prev_ids: torch.Tensor,  # [N] the token before this slot (anchor for slot 0)
         state: torch.Tensor | None,  # RNN state [N, r] or None
+        confidence: bool = True,  # False: the confidence logit is left for `block_confidence`
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """One slot of the sequential head -> corrected logits [N, V], confidence logit [N] or
         None, next state."""
@@ -126,10 +127,16 @@ class DSparkDrafter(nn.Module):
             prev_embedding = self.markov_head.markov_w1(prev_ids)
             bias, state = self.markov_head.step(hidden, prev_embedding, state)
             logits = base_logits + bias
-        confidence = None
-        if self.confidence_head is not None:
-            confidence = self.confidence_head(hidden, prev_embedding)
-        return logits, confidence, state
+        logit = None
+        if self.confidence_head is not None and confidence:
+            logit = self.confidence_head(hidden, prev_embedding)
+        return logits, logit, state
+
+    def block_confidence(self, hidden: torch.Tensor, prev_ids: torch.Tensor) -> torch.Tensor:
+        """The confidence logits of a whole block at once, its tokens known: hidden [B, γ, H], prev_ids [B, γ]
+        (each slot's previous token) -> [B, γ], what `head_step` gives slot by slot."""
+        prev_embedding = None if self.markov_head is None else self.markov_head.markov_w1(prev_ids)
+        return self.confidence_head(hidden, prev_embedding)
 
     def teacher_forced_heads(
         self, hidden: torch.Tensor, prev_ids: torch.Tensor
