@@ -87,7 +87,7 @@ class HeadGreedyGraph(_HeadGraph):
     def forward(self, block_hidden: torch.Tensor, *rest: torch.Tensor) -> tuple[torch.Tensor, ...]:
         # block_hidden [B, γ, H]; rest = ([base_logits [B, γ, V]], anchor_ids [B])
         base = rest[0] if self.lm_head_in_backbone else self.drafter.base_logits(block_hidden)
-        prev_ids = rest[-1]
+        anchor_ids = prev_ids = rest[-1]
         state = self.drafter.initial_head_state(block_hidden[:, 0])
         logits, tokens = [], []
         for k in range(self.drafter.config.block_size):
@@ -100,6 +100,6 @@ class HeadGreedyGraph(_HeadGraph):
         draft_ids = torch.stack(tokens, dim=1)
         outputs = [torch.stack(logits, dim=1), draft_ids]
         if self.has_confidence:
-            previous = torch.cat((rest[-1][:, None], draft_ids[:, :-1]), dim=1)  # [B, γ] each slot's previous token
+            previous = torch.cat((anchor_ids[:, None], draft_ids[:, :-1]), dim=1)  # [B, γ] each slot's previous token
             outputs.append(self.drafter.block_confidence(block_hidden, previous))
         return tuple(outputs)

@@ -221,14 +221,16 @@ class LiveStepCost:
                 self._plain = record.requests, self.steps + 1
                 self._learn(record)
             else:  # a plain step like the one learned a step or two ago: the clock moves, nothing is added
-                self.steps += 1
-                if self.steps % PRICE_REFRESH == 0:
-                    self._prices.clear()
+                self._tick()
 
-    def _learn(self, record: StepRecord) -> None:
+    def _tick(self) -> None:
+        """One more decode step on the model's clock; the prices are rebuilt every `PRICE_REFRESH`."""
         self.steps += 1
         if self.steps % PRICE_REFRESH == 0:
             self._prices.clear()
+
+    def _learn(self, record: StepRecord) -> None:
+        self._tick()
         # the tokens the step computed: a padded verification's R·W (what the table's B is measured as)
         rows, tokens, seconds, drafted = record.requests, record.padded_tokens, record.seconds, record.drafted
         table = self._prior_table(rows, min(max(tokens + 1, 1), LIMIT))
@@ -314,7 +316,6 @@ class LiveStepCost:
         return self.step_ratios.level(self.steps)
 
     def to_dict(self) -> dict[str, Any]:
-        self._catch_up()
         live: dict[str, Any] = {"load_factor": self.load_factor, "observed_steps": self.steps,
                                 "cells": len(self.step_ratios.cells)}
         if self.SPLIT:
