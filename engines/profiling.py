@@ -4,8 +4,8 @@ For each batch size R and bucket B ≥ R the target graph runs on [R, ceil(B / R
 `past` cached positions (causal mask); drafting runs the backbone on [R, γ] over `past` cached
 context rows with 1 + γ/2 new rows (a typical accepted prefix) plus the greedy head when the
 drafter has one (the fused backbone where the engine has it: the runtime drafts with it). Each
-point gets `warmup` untimed calls, then `repeats` timed calls; the median
-is kept. The table is `CostTable` (see cost_table.py). The machine's load while profiling
+point gets `warmup` untimed calls, then `repeats` timed calls, a row's points in interleaved
+rounds; the median is kept. The table is `CostTable` (see cost_table.py). The machine's load while profiling
 (load average, CPU count) is recorded beside it: on a shared CPU the numbers move with it.
 """
 
@@ -16,13 +16,14 @@ import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime, timezone
+from functools import partial
 from typing import Any
 
 import numpy as np
 
 from dspark.export import contract as C
 from dspark.export.cost_table import CostTable
-from dspark.runtime.cost_model import time_median
+from dspark.runtime.cost_model import time_interleaved
 
 from .feeds import random_feeds
 
@@ -69,26 +70,30 @@ def measure_table(
     repeats: int = 5,
     progress: Callable[[str], None] | None = None,
 ) -> CostTable:
-    """One `CostTable` for `target_graph` (C.TARGET, C.TARGET_STATIC, C.TARGET_FUSED or C.TARGET_FUSED_PACKED)."""
-    verify = []
+    """One `CostTable` for `target_graph` (C.TARGET, C.TARGET_STATIC, C.TARGET_FUSED or C.TARGET_FUSED_PACKED).
+
+    A row (one R: every bucket's verification and the drafting) is timed in interleaved rounds
+    (`time_interleaved`), so that the load of a shared machine moves its cells together: a schedule is
+    chosen on their ratios. Rows are timed one after another, holding one row's feeds at a time."""
+    verify, draft = [], []
     for r in batches:
-        row: list[float | None] = []
-        for b in buckets:
-            if b < r:
-                row.append(None)
-                continue
-            feeds = random_feeds(specs[target_graph], target_sizes(target_graph, r, math.ceil(b / r), past),
-                                 vocab_size=vocab_size, seed=r * 1000 + b)
-            row.append(time_median(lambda f=feeds: run(target_graph, f), warmup=warmup, repeats=repeats))
-            if progress:
-                progress(f"{target_graph} R={r} B={b}: {1e3 * row[-1]:.2f} ms")
-        verify.append(tuple(row))
-    draft = [_draft_seconds(run, specs, r, vocab_size, block_size, past, warmup, repeats) for r in batches]
+        sizes = [b for b in buckets if b >= r]
+        calls = [partial(run, target_graph, random_feeds(specs[target_graph],
+                                                           target_sizes(target_graph, r, math.ceil(b / r), past),
+                                                           vocab_size=vocab_size, seed=r * 1000 + b))
+                 for b in sizes]
+        calls.append(_draft_call(run, specs, r, vocab_size, block_size, past))
+        seconds = dict(zip((*sizes, None), time_interleaved(calls, warmup=warmup, repeats=repeats), strict=True))
+        verify.append(tuple(seconds.get(b) for b in buckets))
+        draft.append(seconds[None])
+        if progress:
+            progress(f"{target_graph} R={r}: " + ", ".join(f"B={b} {1e3 * seconds[b]:.2f} ms" for b in sizes)
+                     + f", drafting {1e3 * seconds[None]:.2f} ms")
     return CostTable(tuple(batches), tuple(buckets), tuple(verify), tuple(draft))
 
 
-def _draft_seconds(run: RunGraph, specs: Mapping[str, C.GraphSpec], batch: int, vocab_size: int,
-                   block: int, past: int, warmup: int, repeats: int) -> float:
+def _draft_call(run: RunGraph, specs: Mapping[str, C.GraphSpec], batch: int, vocab_size: int,
+                block: int, past: int) -> Callable[[], None]:
     # what the runtime drafts a greedy batch with: the joined graph (one call), else the backbone and the heads
     graph = next(g for g in (C.DRAFT_GREEDY_FUSED, C.BACKBONE_FUSED, C.BACKBONE) if g in specs)
     backbone = random_feeds(specs[graph], drafter_sizes(batch, block, past), vocab_size=vocab_size)
@@ -101,7 +106,7 @@ def _draft_seconds(run: RunGraph, specs: Mapping[str, C.GraphSpec], batch: int, 
         if head is not None:
             run(C.HEAD_GREEDY, head)
 
-    return time_median(call, warmup=warmup, repeats=repeats)
+    return call
 
 
 def machine_load() -> dict[str, Any]:

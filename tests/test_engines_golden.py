@@ -89,19 +89,24 @@ def test_sps_table_sanity(engine_dir):
 
 
 def test_profiler_records_what_it_measured(export_dir, monkeypatch):
-    """The profiler with an injected timer (engines.profiling.time_median replaced): each table entry is
-    the time measured for its own (graph, R, B) point, with the feeds shaped [R, ceil(B / R)]."""
+    """The profiler with an injected timer (engines.profiling.time_interleaved replaced): each table entry is
+    the time measured for its own (graph, R, B) point, with the feeds shaped [R, ceil(B / R)]; a row's points
+    and its drafting are timed together."""
     specs = graph_specs(read_manifest(export_dir))
     calls: list[tuple[str, dict[str, tuple[int, ...]]]] = []
 
     def run(graph, feeds):
         calls.append((graph, {name: value.shape for name, value in feeds.items()}))
 
-    def timer(call, *, warmup, repeats):
+    def timer(row, *, warmup, repeats):
         assert (warmup, repeats) == (3, 4)
-        first = len(calls)
-        call()
-        return fake_seconds(calls[first:])
+        seconds = []
+        for call in row:
+            first = len(calls)
+            call()
+            seconds.append(fake_seconds(calls[first:]))
+        assert len({shapes["input_ids"][0] for graph, shapes in calls[-len(row):-1]}) == 1  # one R per row
+        return seconds
 
     def fake_seconds(made) -> float:
         if made[0][0] in (C.BACKBONE, C.BACKBONE_FUSED, C.DRAFT_GREEDY_FUSED):  # drafting as the runtime drafts
@@ -111,7 +116,7 @@ def test_profiler_records_what_it_measured(export_dir, monkeypatch):
         rows, tokens = shapes["input_ids"]
         return (2e-3 if graph == C.TARGET_STATIC else 1e-3) * rows + 1e-4 * rows * tokens
 
-    monkeypatch.setattr(profiling, "time_median", timer)
+    monkeypatch.setattr(profiling, "time_interleaved", timer)
     section = profiling.profile_section(run, specs, vocab_size=512, block_size=7, batches=(1, 2, 4),
                                         buckets=BUCKETS, past=32, warmup=3, repeats=4)
     assert (section["warmup"], section["repeats"], section["past"]) == (3, 4, 32)
