@@ -104,6 +104,7 @@ def test_results_schema_and_plots(bench_out: Path) -> None:
         assert sweep["autoregressive"][0]["ratio_to_autoregressive"] == 1.0
         assert sweep["fixed γ=3"][0]["mean_drafts_per_request_step"] <= 3
         assert [e["concurrency"] for e in entry["comparison"]] == [1, 3]
+        assert entry["confidences"] == "raw confidences (not STS-calibrated)"  # a given pair: no data to calibrate on
         for e in entry["comparison"]:
             assert set(e["schedulers"]) == {"dspark scheduler", "dspark async scheduler"}
             assert e["bar_tokens_per_second"] == max(e["autoregressive_tokens_per_second"],

@@ -179,12 +179,15 @@ def run_bench(out: Path, sizes: Sizes, *, engine: Path | None, target: Path | No
     sweep = dict(concurrency=sizes.concurrency, max_new_tokens=sizes.sweep_new_tokens, stop=stop,
                  repeats=sizes.sweep_repeats)
     results["vllm_reference"] = load_sweep.VLLM_REFERENCE
-    results["load_sweeps"] = [load_sweep.target_sweep(subjects.target_label(chosen), runtime, sweep_prompts, **sweep)]
+    results["load_sweeps"] = [load_sweep.target_sweep(subjects.target_label(chosen), runtime, sweep_prompts,
+                                                      confidences=subjects.confidence_note(chosen.runtime_dir),
+                                                      **sweep)]
     results["cost_model_ms"] = runtime.cost_model.to_dict() if runtime.cost_model else None
     if standin is not None:
         standin_runtime = single_stream.load_runtime(standin.runtime_dir, threads=threads)
-        results["load_sweeps"].append(load_sweep.target_sweep(standin.label, standin_runtime, sweep_prompts,
-                                                              standin=standin.record, **sweep))
+        results["load_sweeps"].append(load_sweep.target_sweep(
+            standin.label, standin_runtime, sweep_prompts, standin=standin.record,
+            confidences=subjects.confidence_note(standin.runtime_dir), **sweep))
     results["machine"]["load_average_after"] = os.getloadavg()
     results["seconds"] = round(time.perf_counter() - began, 1)
     return results

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import os
 import shutil
+from collections.abc import Sequence
 from importlib import metadata
 from pathlib import Path
 
@@ -46,9 +48,10 @@ def checkpoint_key(*folders: Path) -> str:
 
 
 def cached_engine(target_dir: Path, drafter_dir: Path, root: Path, show_progress: bool = True,
-                  threads: int = 1) -> Path:
+                  threads: int = 1, calibration: Sequence[Sequence[int]] | None = None) -> Path:
     """root/engine: the pair exported to root/export and built (ONNX Runtime at `threads` intra-op
-    threads, measured SPS table) unless root already holds a completed build."""
+    threads, measured SPS table; with `calibration` prompts, its confidences fitted by STS on the
+    engine's own draft rounds over them) unless root already holds a completed build."""
     engine = root / "engine"
     if (root / COMPLETE).is_file():
         return engine
@@ -63,7 +66,12 @@ def cached_engine(target_dir: Path, drafter_dir: Path, root: Path, show_progress
     root.mkdir(parents=True)
     say(f"dspark: exporting and building an engine in {root} (once) ...")
     export_pair(target_dir, drafter_dir, root / "export", check=False, show_progress=show_progress)
-    build_engine(root / "export", engine, BuildOptions(threads=threads), progress=lambda message: say(f"  {message}"))
+    data = None
+    if calibration is not None:
+        data = root / "calibration.jsonl"
+        data.write_text("".join(json.dumps({"ids": list(ids)}) + "\n" for ids in calibration))
+    build_engine(root / "export", engine, BuildOptions(threads=threads), calibrate_data=data,
+                 progress=lambda message: say(f"  {message}"))
     (root / COMPLETE).write_text("ok\n")
     return engine
 

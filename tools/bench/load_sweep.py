@@ -247,9 +247,11 @@ def compare(sweep: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
 
 def target_sweep(label: str, base: Runtime, prompts: Sequence[list[int]], concurrency: Sequence[int], *,
                  max_new_tokens: int, stop: int, repeats: int = 3, standin: dict[str, Any] | None = None,
-                 progress: bool = True) -> dict[str, Any]:
+                 progress: bool = True, confidences: str | None = None) -> dict[str, Any]:
     """The sweep of one target, labelled: {"target": label, "standin": the stand-in's record or None,
-    "schedulers": {name: rows}, "comparison": compare(...)}."""
+    "confidences": how its engine's confidences were calibrated, "schedulers": {name: rows},
+    "comparison": compare(...)}."""
     rows = load_sweep(base, prompts, concurrency, max_new_tokens=max_new_tokens, stop=stop, repeats=repeats,
                       progress=progress, desc=f"load sweep, {label}")
-    return {"target": label, "standin": standin, "schedulers": rows, "comparison": compare(rows)}
+    return {"target": label, "standin": standin, "confidences": confidences, "schedulers": rows,
+            "comparison": compare(rows)}

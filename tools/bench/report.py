@@ -202,6 +202,8 @@ def markdown(results: dict[str, Any]) -> str:
         for sweep in sweeps:
             if sweep.get("standin"):
                 parts += [f"**{sweep['target']}**: {sweep['standin']['label']}."]
+            if sweep.get("confidences"):
+                parts += [f"**{sweep['target']}**: {sweep['confidences']}."]
         parts += [f"### Load sweep ({results['config']['sweep_new_tokens']} new tokens per request)",
                   sweep_table(sweeps),
                   "### Goal: scheduler ≥ max(autoregressive, best fixed γ), aggregate tok/s (as measured)",

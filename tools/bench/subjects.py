@@ -27,6 +27,10 @@ from dspark.models import DSparkDrafter
 
 TOKENIZER_FIX = "re-export the pair, or give prompts as token ids"
 DEMO_DIR = Path(__file__).resolve().parents[2] / "models" / "demo"
+# where in each held-out module the demo engines' calibration prompts start: >= 0.027 of a module away
+# from every fraction k/(n+1), n <= 5, where the bench's prompts start (`demo_calibration`)
+CALIBRATION_FRACTIONS = (0.09, 0.29, 0.45, 0.63, 0.87)
+CALIBRATION_PROMPT_LEN = 32
 
 
 class BenchSetupError(ValueError):
@@ -61,13 +65,48 @@ def demo_folders() -> tuple[Path, Path, Path | None]:
     return target, dspark, dflash if (dflash / "config.json").is_file() else None
 
 
-def cached_engine_dir(target_dir: Path, drafter_dir: Path, cache: Path, threads: int = 1) -> Path:
+def cached_engine_dir(target_dir: Path, drafter_dir: Path, cache: Path, threads: int = 1,
+                      calibration: Sequence[Sequence[int]] | None = None) -> Path:
     """An ONNX Runtime engine of the pair under cache/ (built once per intra-op thread count): the
-    runtime then schedules with the engine's SPS table, measured at the count it runs with."""
+    runtime then schedules with the engine's SPS table, measured at the count it runs with, and with
+    `calibration` prompts its confidences are STS-calibrated (`dspark calibrate`) on them."""
     from dspark.tools.demo_engine import cached_engine, checkpoint_key
 
-    root = cache / f"engine-{checkpoint_key(target_dir, drafter_dir)}{'' if threads == 1 else f'-t{threads}'}"
-    return cached_engine(target_dir, drafter_dir, root, show_progress=False, threads=threads)
+    suffix = ("" if threads == 1 else f"-t{threads}") + ("" if calibration is None else "-sts")
+    root = cache / f"engine-{checkpoint_key(target_dir, drafter_dir)}{suffix}"
+    return cached_engine(target_dir, drafter_dir, root, show_progress=False, threads=threads,
+                         calibration=calibration)
+
+
+def demo_calibration(tokenizer_path: Path) -> list[list[int]]:
+    """The prompts a demo engine's confidences are calibrated on (STS, as `dspark calibrate` fits them):
+    `CALIBRATION_PROMPT_LEN`-token windows of the held-out standard-library modules at
+    `CALIBRATION_FRACTIONS` of each, apart from where the bench's own prompts lie (`load_prompts`: at
+    1/(n+1), ..., n/(n+1) of each module, n <= 5 for up to 75 prompts).
+
+    Why calibrate: the raw confidence head is under-confident at the block's later slots (on these
+    windows, observed survival ~0.8 where Π c said 0.5 at slot 6), so Algorithm 1 cut blocks the target
+    would have accepted: on the 100M stand-in at one request it verified 3.7 tokens a step where fixed
+    γ = 7 accepted 4.7 of 8 and ran faster. A deployment calibrates on its own traffic the same way."""
+    from dspark.tools import corpus
+
+    tokenizer = read_tokenizer(tokenizer_path, TOKENIZER_FIX)
+    streams = [e.ids for e in tokenizer.encode_batch(corpus.read_documents(corpus.corpus_files("heldout")))]
+    return [ids[start : start + CALIBRATION_PROMPT_LEN] for fraction in CALIBRATION_FRACTIONS for ids in streams
+            if len(ids) > 2 * CALIBRATION_PROMPT_LEN
+            for start in [round((len(ids) - CALIBRATION_PROMPT_LEN) * fraction)]]
+
+
+def confidence_note(runtime_dir: Path) -> str:
+    """How the engine's confidences were calibrated, in one phrase for the report."""
+    manifest = runtime_dir / "engine.json"
+    calibration = json.loads(manifest.read_text()).get("calibration") if manifest.is_file() else None
+    if not calibration:
+        return "raw confidences (not STS-calibrated)"
+    held = calibration.get("holdout") or {}
+    ece = (f"held-out mean ECE {held['ece_before_mean']:.3f} -> {held['ece_after_mean']:.3f}" if held else
+           f"mean ECE {calibration['ece_before_mean']:.3f} -> {calibration['ece_after_mean']:.3f}")
+    return f"confidences STS-calibrated on {calibration['sequences']} prompts ({ece})"
 
 
 def target_label(chosen: Subjects) -> str:
@@ -139,7 +178,8 @@ def resolve_standin(chosen: Subjects, params_text: str, cache: Path, *, progress
     from dspark.models.inflate import read_standin, standin_label
 
     checkpoint = standin_checkpoint(chosen, params_text, progress=progress)
-    runtime_dir = cached_engine_dir(checkpoint, chosen.dspark_dir, cache, threads)
+    calibration = demo_calibration(checkpoint / "tokenizer.json") if chosen.source == "demo" else None
+    runtime_dir = cached_engine_dir(checkpoint, chosen.dspark_dir, cache, threads, calibration)
     record = {**read_standin(checkpoint), "label": standin_label(checkpoint), "checkpoint_dir": str(checkpoint),
               "runtime_dir": str(runtime_dir), "drafter_dir": str(chosen.dspark_dir)}
     return Standin(checkpoint, runtime_dir, standin_label_short(checkpoint), record)
@@ -154,8 +194,8 @@ def resolve(engine: Path | None, target: Path | None, drafter: Path | None, dfla
     if target is not None:
         return Subjects(cached_engine_dir(target, drafter, cache, threads), target, drafter, dflash, "checkpoints")
     target, drafter, demo_dflash = demo_folders()
-    return Subjects(cached_engine_dir(target, drafter, cache, threads), target, drafter, dflash or demo_dflash,
-                    "demo")
+    return Subjects(cached_engine_dir(target, drafter, cache, threads, demo_calibration(target / "tokenizer.json")),
+                    target, drafter, dflash or demo_dflash, "demo")
 
 
 def without_markov(drafter: DSparkDrafter) -> DSparkDrafter:
