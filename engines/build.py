@@ -162,7 +162,7 @@ def _profile(out_dir: Path, manifest: dict[str, Any], export: dict[str, Any], op
     # The backend the runtime will serve this engine with, so the table prices what will run.
     with backend_factory(manifest["backend"])(EngineDir(out_dir, manifest)) as backend:
         backend.check_inputs = False
-        return profile_section(backend.run, specs, **common)
+        return profile_section(backend.run, specs, bind=backend.bind, **common)
 
 
 def reprofile(engine_dir: str | Path, *, warmup: int | None = None, repeats: int | None = None,

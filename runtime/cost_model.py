@@ -75,25 +75,3 @@ def time_median(call: Callable[[], object], *, warmup: int = 1, repeats: int) ->
         times.append(time.perf_counter() - begin)
     return sorted(times)[len(times) // 2]
 
-
-def time_interleaved(calls: Sequence[Callable[[], object]], *, warmup: int = 1, repeats: int) -> list[float]:
-    """Median wall-clock seconds of each call, timed in `repeats` rounds that run every call once.
-
-    Timed one after another, each call would meet its own stretch of a shared machine's load: on a
-    2-core VM a 100M target's 4-token verification came out at 16.4 ms against 29.2 ms for 8 tokens,
-    where the engine's own steps took 25.7 and 28.5. In rounds, every call sees the same stretches,
-    so the ratios between calls (what a schedule is chosen on) hold however the load moves. Each round
-    starts one call later than the one before, so that no call always runs right after the same one."""
-    if repeats < 1:
-        raise ValueError(f"repeats must be >= 1, got {repeats}")
-    for call in calls:
-        for _ in range(warmup):
-            call()
-    times: list[list[float]] = [[] for _ in calls]
-    for round_ in range(repeats):
-        for k in range(len(calls)):
-            i = (k + round_) % len(calls)
-            begin = time.perf_counter()
-            calls[i]()
-            times[i].append(time.perf_counter() - begin)
-    return [sorted(t)[len(t) // 2] for t in times]

@@ -89,24 +89,24 @@ def test_sps_table_sanity(engine_dir):
 
 
 def test_profiler_records_what_it_measured(export_dir, monkeypatch):
-    """The profiler with an injected timer (engines.profiling.time_interleaved replaced): each table entry is
-    the time measured for its own (graph, R, B) point, with the feeds shaped [R, ceil(B / R)]; a row's points
-    and its drafting are timed together."""
+    """The profiler with an injected timer (engines.profiling.time_row replaced): each table entry is
+    the time measured for its own (graph, R, B) point, with the feeds shaped [R, ceil(B / R)]; a row's plain
+    verification, its longer ones and its drafting are timed together."""
     specs = graph_specs(read_manifest(export_dir))
     calls: list[tuple[str, dict[str, tuple[int, ...]]]] = []
 
     def run(graph, feeds):
         calls.append((graph, {name: value.shape for name, value in feeds.items()}))
 
-    def timer(row, *, warmup, repeats):
+    def timer(plain, verifies, draft, *, warmup, repeats):
         assert (warmup, repeats) == (3, 4)
         seconds = []
-        for call in row:
+        for call in (plain, *verifies, draft):
             first = len(calls)
             call()
             seconds.append(fake_seconds(calls[first:]))
-        assert len({shapes["input_ids"][0] for graph, shapes in calls[-len(row):-1]}) == 1  # one R per row
-        return seconds
+        assert len({shapes["input_ids"][0] for graph, shapes in calls[-len(seconds):-1]}) == 1  # one R per row
+        return seconds[0], seconds[1:-1], seconds[-1]
 
     def fake_seconds(made) -> float:
         if made[0][0] in (C.BACKBONE, C.BACKBONE_FUSED, C.DRAFT_GREEDY_FUSED):  # drafting as the runtime drafts
@@ -116,7 +116,7 @@ def test_profiler_records_what_it_measured(export_dir, monkeypatch):
         rows, tokens = shapes["input_ids"]
         return (2e-3 if graph == C.TARGET_STATIC else 1e-3) * rows + 1e-4 * rows * tokens
 
-    monkeypatch.setattr(profiling, "time_interleaved", timer)
+    monkeypatch.setattr(profiling, "time_row", timer)
     section = profiling.profile_section(run, specs, vocab_size=512, block_size=7, batches=(1, 2, 4),
                                         buckets=BUCKETS, past=32, warmup=3, repeats=4)
     assert (section["warmup"], section["repeats"], section["past"]) == (3, 4, 32)
