@@ -74,4 +74,3 @@ def time_median(call: Callable[[], object], *, warmup: int = 1, repeats: int) ->
         call()
         times.append(time.perf_counter() - begin)
     return sorted(times)[len(times) // 2]
-
