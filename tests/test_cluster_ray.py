@@ -163,9 +163,11 @@ def test_a_killed_replicas_streams_complete_on_the_survivor_identically(cluster)
         tokens = [t for _, e in events for t in (e.get("dspark") or {}).get("token_ids", [])]
         assert tokens == expected(rt, *case, 200).tokens  # none twice, none missing, none different
         assert events[-1][1]["choices"][0]["finish_reason"] in ("length", "stop")
-    assert state["migrated"] - before == 2 and state["diverged"] == 0  # the victim's two streams moved
-    # a survivor's stream may have ended before the kill (a fast machine): nothing of it came after
+    # the victim's two streams moved, less any that had ended before the kill: its first stream runs while the
+    # others start one after another, and on a loaded machine (CI beside another suite) it can finish first
     resumed = [min((t - killed for t, _ in events if t > killed), default=None) for events, _ in streams]
+    ended = resumed.count(None)
+    assert 2 - ended <= state["migrated"] - before <= 2 and state["diverged"] == 0, (state, ended)
     print("first event after the kill, per stream: "
           + ", ".join("ended before it" if s is None else f"{1000 * s:.0f} ms" for s in resumed))
 
