@@ -18,11 +18,13 @@ import copy
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 
 import torch
 
 from dspark.export.artifacts import read_tokenizer
+from dspark.export.engine_dir import is_engine_dir, read_engine_manifest
 from dspark.models import DSparkDrafter
 
 TOKENIZER_FIX = "re-export the pair, or give prompts as token ids"
@@ -88,19 +90,15 @@ def demo_calibration(tokenizer_path: Path) -> list[list[int]]:
     windows, observed survival ~0.8 where Π c said 0.5 at slot 6), so Algorithm 1 cut blocks the target
     would have accepted: on the 100M stand-in at one request it verified 3.7 tokens a step where fixed
     γ = 7 accepted 4.7 of 8 and ran faster. A deployment calibrates on its own traffic the same way."""
-    from dspark.tools import corpus
-
-    tokenizer = read_tokenizer(tokenizer_path, TOKENIZER_FIX)
-    streams = [e.ids for e in tokenizer.encode_batch(corpus.read_documents(corpus.corpus_files("heldout")))]
-    return [ids[start : start + CALIBRATION_PROMPT_LEN] for fraction in CALIBRATION_FRACTIONS for ids in streams
+    return [ids[start : start + CALIBRATION_PROMPT_LEN] for fraction in CALIBRATION_FRACTIONS
+            for ids in heldout_streams(tokenizer_path)
             if len(ids) > 2 * CALIBRATION_PROMPT_LEN
             for start in [round((len(ids) - CALIBRATION_PROMPT_LEN) * fraction)]]
 
 
 def confidence_note(runtime_dir: Path) -> str:
     """How the engine's confidences were calibrated, in one phrase for the report."""
-    manifest = runtime_dir / "engine.json"
-    calibration = json.loads(manifest.read_text()).get("calibration") if manifest.is_file() else None
+    calibration = read_engine_manifest(runtime_dir)["calibration"] if is_engine_dir(runtime_dir) else None
     if not calibration:
         return "raw confidences (not STS-calibrated)"
     held = calibration.get("holdout") or {}
@@ -214,6 +212,16 @@ def stop_token(eos_token_ids: Sequence[int], mask_token_id: int) -> int:
     return int(eos_token_ids[0]) if eos_token_ids else int(mask_token_id)
 
 
+@cache
+def heldout_streams(tokenizer_path: Path) -> list[list[int]]:
+    """The held-out standard-library modules as token ids (the demo pair's domain), encoded once a process: the
+    bench's prompts and its engines' calibration prompts are both windows of them (~0.2 s an encoding)."""
+    from dspark.tools import corpus
+
+    tokenizer = read_tokenizer(tokenizer_path, TOKENIZER_FIX)
+    return [e.ids for e in tokenizer.encode_batch(corpus.read_documents(corpus.corpus_files("heldout")))]
+
+
 def load_prompts(path: Path | None, tokenizer_path: Path | None, *, count: int, length: int,
                  vocab_size: int, avoid: Sequence[int], seed: int = 0) -> tuple[list[list[int]], str]:
     """`count` prompts and where they came from.
@@ -226,10 +234,7 @@ def load_prompts(path: Path | None, tokenizer_path: Path | None, *, count: int, 
     if path is not None:
         return _file_prompts(path, tokenizer_path, vocab_size)[:count], str(path)
     if tokenizer_path is not None:
-        from dspark.tools import corpus
-
-        tokenizer = read_tokenizer(tokenizer_path, TOKENIZER_FIX)
-        streams = [e.ids for e in tokenizer.encode_batch(corpus.read_documents(corpus.corpus_files("heldout")))]
+        streams = heldout_streams(tokenizer_path)
         per_module = -(-count // len(streams))
         # windows at 1/(n+1), ..., n/(n+1) of each module: code, not just its opening docstring
         windows = [ids[start : start + length] for i in range(1, per_module + 1) for ids in streams
